@@ -1,0 +1,349 @@
+"""``torch.ops.mxfx.*``: the custom ops, their fake implementations and input checks.
+
+Every op is functional (``mutates_args=()``). Input checks live in ``check_*`` functions
+that both the real and the fake implementation call, so bad input fails at compile time
+with the same message as in eager mode.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from mxfx import formats
+from mxfx.activation import GatedActivation, check_activation
+from mxfx.backends import emulation
+from mxfx.backends.base import ActivationQuant, MoEWeights
+
+ACTIVATION_QUANTS = ("none", "mxfp8", "mxfp4")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_quantize_mx(x: Tensor, fmt: str, scale_rounding: str) -> None:
+    formats.element_format(fmt)
+    formats.check_scale_rounding(scale_rounding)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x: got dtype {x.dtype}, expected one of {list(_FLOAT_DTYPES)}")
+    if x.dim() == 0 or x.shape[-1] % formats.BLOCK != 0:
+        raise ValueError(
+            f"x: last dimension must be a multiple of {formats.BLOCK}, got shape {_shape(x)}"
+        )
+
+
+def check_dequantize_mx(packed: Tensor, scales: Tensor, fmt: str, out_dtype: torch.dtype) -> int:
+    """Returns K, the dequantized last dimension."""
+    ef = formats.element_format(fmt)
+    if packed.dtype != ef.storage:
+        raise TypeError(f"packed: got dtype {packed.dtype}, expected {ef.storage} for {fmt!r}")
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"scales: got dtype {scales.dtype}, expected torch.uint8 (E8M0)")
+    if out_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"out_dtype: got {out_dtype}, expected one of {list(_FLOAT_DTYPES)}")
+    if packed.dim() == 0:
+        raise ValueError("packed: expected at least one dimension, got a scalar")
+    k = packed.shape[-1] * ef.per_byte
+    want = (*packed.shape[:-1], k // formats.BLOCK)
+    if k % formats.BLOCK != 0 or _shape(scales) != want:
+        raise ValueError(
+            f"scales: got shape {_shape(scales)}, expected {want} for packed of shape "
+            f"{_shape(packed)} ({fmt!r}, K={k} must be a multiple of {formats.BLOCK})"
+        )
+    return k
+
+
+def check_gated_activation(
+    x: Tensor, layout: str, alpha: float, beta: float, limit: Optional[float]
+) -> None:
+    check_activation(layout, alpha, beta, limit)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x: got dtype {x.dtype}, expected one of {list(_FLOAT_DTYPES)}")
+    if x.dim() == 0 or x.shape[-1] % 2 != 0:
+        raise ValueError(f"x: last dimension must be even (gate and up), got shape {_shape(x)}")
+
+
+def _check_expert_weight(
+    name: str, w: Tensor, scale: Optional[Tensor], e: int, n: int, k: int, k_name: str
+) -> None:
+    """``w`` must be float ``[E, n, k]`` or MXFP4 uint8 ``[E, n, k/2]`` with ``scale [E, n, k/32]``."""
+    if w.dim() != 3:
+        raise ValueError(f"{name}: expected rank 3 [E, N, K], got shape {_shape(w)}")
+    if w.dtype == torch.uint8:
+        if scale is None:
+            raise ValueError(f"{name}_scale: {name} is MXFP4 (uint8) and needs its E8M0 scales")
+        if k % formats.BLOCK != 0:
+            raise ValueError(
+                f"{name}: MXFP4 needs {k_name} to be a multiple of {formats.BLOCK}, got {k}"
+            )
+        want_w, want_s = (e, n, k // 2), (e, n, k // formats.BLOCK)
+        if _shape(w) != want_w:
+            raise ValueError(f"{name}: got shape {_shape(w)}, expected {want_w} (packed MXFP4)")
+        if scale.dtype != torch.uint8:
+            raise TypeError(f"{name}_scale: got dtype {scale.dtype}, expected torch.uint8 (E8M0)")
+        if _shape(scale) != want_s:
+            raise ValueError(f"{name}_scale: got shape {_shape(scale)}, expected {want_s}")
+    elif w.dtype in _FLOAT_DTYPES:
+        if scale is not None:
+            raise ValueError(
+                f"{name}_scale: {name} is {w.dtype} (not quantized); expected no scale, "
+                f"got shape {_shape(scale)}"
+            )
+        if _shape(w) != (e, n, k):
+            raise ValueError(f"{name}: got shape {_shape(w)}, expected {(e, n, k)}")
+    else:
+        raise TypeError(f"{name}: got dtype {w.dtype}, expected a float dtype or uint8 (MXFP4)")
+
+
+def _check_bias(name: str, b: Optional[Tensor], want: tuple) -> None:
+    if b is None:
+        return
+    if b.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: got dtype {b.dtype}, expected a float dtype")
+    if _shape(b) != want:
+        raise ValueError(f"{name}: got shape {_shape(b)}, expected {want}")
+
+
+def check_moe(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w13_scale: Optional[Tensor],
+    w13_bias: Optional[Tensor],
+    w2: Tensor,
+    w2_scale: Optional[Tensor],
+    w2_bias: Optional[Tensor],
+    layout: str,
+    alpha: float,
+    beta: float,
+    limit: Optional[float],
+    activation_quant: str,
+    backend: str,
+    activation_scale_rounding: str,
+) -> None:
+    """Every argument of ``mxfx.moe`` checked; raises ``ValueError``/``TypeError`` naming it."""
+    check_activation(layout, alpha, beta, limit)
+    if activation_quant not in ACTIVATION_QUANTS:
+        raise ValueError(
+            f"activation_quant: got {activation_quant!r}, expected one of {list(ACTIVATION_QUANTS)}"
+        )
+    formats.check_scale_rounding(activation_scale_rounding)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: got {backend!r}, expected a backend name or 'auto'")
+    _check_backend_name(backend)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x: got dtype {x.dtype}, expected one of {list(_FLOAT_DTYPES)}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected rank 2 [T, H], got shape {_shape(x)}")
+    T, H = x.shape
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids: got dtype {topk_ids.dtype}, expected an integer dtype")
+    if topk_weights.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"topk_weights: got dtype {topk_weights.dtype}, expected a float dtype")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids: expected shape [T={T}, k], got {_shape(topk_ids)}")
+    if _shape(topk_weights) != _shape(topk_ids):
+        raise ValueError(
+            f"topk_weights: got shape {_shape(topk_weights)}, expected the shape of "
+            f"topk_ids {_shape(topk_ids)}"
+        )
+    if w13.dim() != 3:
+        raise ValueError(f"w13: expected rank 3 [E, 2I, H], got shape {_shape(w13)}")
+    E, two_i = w13.shape[0], w13.shape[1]
+    if E < 1 or two_i % 2 != 0:
+        raise ValueError(f"w13: expected [E >= 1, 2I (even), H], got shape {_shape(w13)}")
+    if (w13.dtype == torch.uint8) != (w2.dtype == torch.uint8):
+        raise TypeError(
+            f"w2: got dtype {w2.dtype} while w13 is {w13.dtype}; both must be MXFP4 or both float"
+        )
+    _check_expert_weight("w13", w13, w13_scale, E, two_i, H, "hidden size H")
+    _check_expert_weight("w2", w2, w2_scale, E, H, two_i // 2, "intermediate size I")
+    _check_bias("w13_bias", w13_bias, (E, two_i))
+    _check_bias("w2_bias", w2_bias, (E, H))
+    if topk_ids.shape[1] > E:
+        raise ValueError(f"topk_ids: k={topk_ids.shape[1]} slots, but there are only E={E} experts")
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids), ("w13", w13), ("w2", w2)):
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, expected x's device {x.device}")
+
+
+def _check_backend_name(backend: str) -> None:
+    # UNTIL THE ORACLE LANDS: the only backend is emulation.
+    if backend not in ("auto", "emulation"):
+        raise ValueError(f"backend: got {backend!r}, expected one of ['auto', 'emulation']")
+
+
+def check_expert_ids(topk_ids: Tensor, num_experts: int) -> None:
+    """Ids >= E are an error. On CPU (or with ``MXFX_DEBUG=1``) this raises at once;
+    on an accelerator it is a device-side assert, so no host synchronisation is added."""
+    if topk_ids.numel() == 0:
+        return
+    if topk_ids.device.type == "cpu" or os.environ.get("MXFX_DEBUG") == "1":
+        top = int(topk_ids.max())
+        if top >= num_experts:
+            raise ValueError(f"topk_ids: expert id {top} out of range, expected ids < E={num_experts}")
+    else:
+        torch._assert_async((topk_ids < num_experts).all(), "topk_ids: expert id >= E")
+
+
+# ---------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("mxfx::quantize_mx", mutates_args=())
+def quantize_mx(x: Tensor, fmt: str = "mxfp4", scale_rounding: str = "floor") -> tuple[Tensor, Tensor]:
+    """MX-quantize ``x [..., K]`` along K → ``(packed, scales)``; see :mod:`mxfx.formats`."""
+    check_quantize_mx(x, fmt, scale_rounding)
+    return formats.quantize(x, fmt, scale_rounding)
+
+
+@quantize_mx.register_fake
+def _(x, fmt="mxfp4", scale_rounding="floor"):
+    check_quantize_mx(x, fmt, scale_rounding)
+    ef = formats.element_format(fmt)
+    k = x.shape[-1]
+    packed = x.new_empty((*x.shape[:-1], k // ef.per_byte), dtype=ef.storage)
+    scales = x.new_empty((*x.shape[:-1], k // formats.BLOCK), dtype=torch.uint8)
+    return packed, scales
+
+
+@torch.library.custom_op("mxfx::dequantize_mx", mutates_args=())
+def dequantize_mx(
+    packed: Tensor, scales: Tensor, fmt: str = "mxfp4", out_dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Dequantize MX ``(packed, scales)`` → contiguous ``[..., K]`` in ``out_dtype``."""
+    check_dequantize_mx(packed, scales, fmt, out_dtype)
+    return formats.dequantize(packed, scales, fmt, out_dtype).contiguous()
+
+
+@dequantize_mx.register_fake
+def _(packed, scales, fmt="mxfp4", out_dtype=torch.float32):
+    k = check_dequantize_mx(packed, scales, fmt, out_dtype)
+    return packed.new_empty((*packed.shape[:-1], k), dtype=out_dtype)
+
+
+@torch.library.custom_op("mxfx::gated_activation", mutates_args=())
+def gated_activation(
+    x: Tensor,
+    layout: str = "halves",
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    limit: Optional[float] = None,
+) -> Tensor:
+    """Clamped gated activation (see :mod:`mxfx.activation`): ``[..., 2d]`` → contiguous
+    ``[..., d]`` in ``x.dtype``, computed in float32."""
+    check_gated_activation(x, layout, alpha, beta, limit)
+    act = GatedActivation(layout, alpha, beta, limit)
+    return emulation.gated_activation(x, act).contiguous()
+
+
+@gated_activation.register_fake
+def _(x, layout="halves", alpha=1.0, beta=0.0, limit=None):
+    check_gated_activation(x, layout, alpha, beta, limit)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _gated_activation_setup(ctx, inputs, output):
+    x, layout, alpha, beta, limit = inputs
+    ctx.save_for_backward(x)
+    ctx.act = GatedActivation(layout, alpha, beta, limit)
+
+
+def _gated_activation_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    act = ctx.act
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    if act.layout == "interleaved":
+        g, u = xf[..., 0::2], xf[..., 1::2]
+    else:
+        g, u = xf.chunk(2, dim=-1)
+    gate_pass = torch.ones_like(g)
+    up_pass = torch.ones_like(u)
+    if act.limit is not None:
+        # clamp passes the gradient where the input is inside the bounds (ends included).
+        gate_pass = (g <= act.limit).to(acc)
+        up_pass = ((u >= -act.limit) & (u <= act.limit)).to(acc)
+        g = g.clamp(max=act.limit)
+        u = u.clamp(-act.limit, act.limit)
+    s = torch.sigmoid(act.alpha * g)
+    gr = grad.to(acc)
+    d_gate = gr * (u + act.beta) * (s + act.alpha * g * s * (1 - s)) * gate_pass
+    d_up = gr * g * s * up_pass
+    if act.layout == "interleaved":
+        dx = torch.stack((d_gate, d_up), dim=-1).flatten(-2)
+    else:
+        dx = torch.cat((d_gate, d_up), dim=-1)
+    return dx.to(x.dtype), None, None, None, None
+
+
+gated_activation.register_autograd(_gated_activation_backward, setup_context=_gated_activation_setup)
+
+
+@torch.library.custom_op("mxfx::moe", mutates_args=())
+def moe(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w13_scale: Optional[Tensor],
+    w13_bias: Optional[Tensor],
+    w2: Tensor,
+    w2_scale: Optional[Tensor],
+    w2_bias: Optional[Tensor],
+    layout: str = "halves",
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    limit: Optional[float] = None,
+    activation_quant: str = "none",
+    backend: str = "auto",
+    activation_scale_rounding: str = "even",
+) -> Tensor:
+    """Fused MoE layer → ``[T, H]`` in ``x.dtype``.
+
+    ``out[t] = Σ_k topk_weights[t,k] · (act(x[t] @ w13[e]ᵀ + w13_bias[e]) @ w2[e]ᵀ + w2_bias[e])``
+    with ``e = topk_ids[t,k]``; a slot with ``e < 0`` adds nothing.
+
+    Args:
+        x: ``[T, H]`` float16 / bfloat16 / float32 activations.
+        topk_weights: ``[T, k]`` float routing weights.
+        topk_ids: ``[T, k]`` integer expert ids in ``[-1, E)``.
+        w13, w13_scale, w13_bias: gate+up projection, float ``[E, 2I, H]`` (any strides) or
+            MXFP4 uint8 ``[E, 2I, H/2]`` with scales uint8 ``[E, 2I, H/32]``; bias ``[E, 2I]``.
+        w2, w2_scale, w2_bias: down projection, float ``[E, H, I]`` or MXFP4 ``[E, H, I/2]``
+            with ``[E, H, I/32]`` scales; bias ``[E, H]``.
+        layout, alpha, beta, limit: the gated activation (see :mod:`mxfx.activation`).
+        activation_quant: ``"none"``, ``"mxfp8"`` or ``"mxfp4"``: the input of each GEMM is
+            quantized per 32-block along K with ``activation_scale_rounding``.
+        backend: ``"auto"`` (the oracle chooses) or a backend name (honoured or an error).
+    """
+    args = (x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
+    check_moe(*args, layout, alpha, beta, limit, activation_quant, backend, activation_scale_rounding)
+    check_expert_ids(topk_ids, w13.shape[0])
+    weights = MoEWeights(w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
+    act = GatedActivation(layout, alpha, beta, limit)
+    aq = ActivationQuant(activation_quant, activation_scale_rounding)
+    return emulation.moe(x, topk_weights, topk_ids, weights, act, aq)
+
+
+@moe.register_fake
+def _(
+    x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias,
+    layout="halves", alpha=1.0, beta=0.0, limit=None, activation_quant="none",
+    backend="auto", activation_scale_rounding="even",
+):
+    check_moe(
+        x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias,
+        layout, alpha, beta, limit, activation_quant, backend, activation_scale_rounding,
+    )
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+__all__: Sequence[str] = ("quantize_mx", "dequantize_mx", "gated_activation", "moe")
