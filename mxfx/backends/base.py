@@ -1,6 +1,7 @@
 """What every MoE backend is: a name, declared capabilities, and ``run``."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,3 +41,51 @@ class ActivationQuant:
 
     fmt: str = "none"  # "none" | "mxfp8" | "mxfp4"
     scale_rounding: str = "even"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend executes, as data. The oracle's generic ``supports`` reads this.
+
+    ``activation_quant`` lists the activation quantizations the backend *executes*
+    (quantizes each GEMM's input exactly as the emulation backend does); a backend that
+    would run an A8/A4 layer with higher-precision activations must not list them.
+    """
+
+    platforms: frozenset  # platform kinds: "cuda", "rocm", "xpu", "cpu"
+    weight_quant: frozenset  # "float", "mxfp4"
+    activation_quant: frozenset  # "none", "mxfp8", "mxfp4"
+    dtypes: frozenset  # activation dtypes, torch.dtype
+    layouts: frozenset = frozenset({"interleaved", "halves"})
+    archs: Optional[frozenset] = None  # None: every arch of those platforms
+    bias: bool = True
+    hidden_align: int = 1  # hidden size must be a multiple of this
+    intermediate_align: int = 1  # intermediate size must be a multiple of this
+    packages: frozenset = frozenset()  # optional packages that must import
+    note: str = ""  # e.g. "not verified on hardware by mxfx"
+
+
+class Backend(ABC):
+    """A MoE backend: a name, its :class:`Capabilities`, and ``run``.
+
+    Subclasses set ``name`` and ``capabilities`` and implement :meth:`run`. ``extra_check``
+    may refuse configurations the data cannot express; it returns a reason or None.
+    """
+
+    name: str = ""
+    capabilities: Capabilities
+
+    def extra_check(self, config, platform) -> Optional[str]:
+        return None
+
+    @abstractmethod
+    def run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        weights: MoEWeights,
+        act: GatedActivation,
+        aq: ActivationQuant,
+    ) -> torch.Tensor:
+        """``mxfx.moe`` on already-validated arguments → ``[T, H]`` in ``x.dtype``."""
