@@ -10,7 +10,7 @@ import torch
 
 from mxfx import formats
 from mxfx.activation import GatedActivation
-from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights
 
 
 def gated_activation(x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
@@ -73,3 +73,22 @@ def moe(
             y = y + weights.w2_bias[e].to(acc)
         out.index_add_(0, t, y * flat_w[pick].unsqueeze(1))
     return out.to(x.dtype)
+
+
+class EmulationBackend(Backend):
+    """:func:`moe` as a backend: every platform, weight and activation quantization."""
+
+    name = "emulation"
+    capabilities = Capabilities(
+        platforms=frozenset({"cuda", "rocm", "xpu", "cpu"}),
+        weight_quant=frozenset({"float", "mxfp4"}),
+        activation_quant=frozenset({"none", "mxfp8", "mxfp4"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        note="the reference: dequantizes the weights and synchronises with the host",
+    )
+
+    def run(self, x, topk_weights, topk_ids, weights, act, aq):
+        return moe(x, topk_weights, topk_ids, weights, act, aq)
+
+
+BACKEND = EmulationBackend()

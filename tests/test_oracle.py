@@ -1,0 +1,516 @@
+"""The backend oracle on simulated platforms, and the eager op going through it."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import mxfx
+from mxfx import backends
+from mxfx.__main__ import main as cli
+from mxfx.backends import emulation
+from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights
+from mxfx.oracle import (
+    PRIORITY,
+    ActivationQuantKey,
+    MoEConfig,
+    NoBackendError,
+    Platform,
+    WeightQuant,
+    clear_cache,
+    explain,
+    select,
+    supports,
+)
+from mxfx.oracle.shapes import SHAPES
+
+ENV = "MXFX_MOE_BACKEND"
+GFX950 = Platform("rocm", "gfx950", frozenset({"triton"}))
+GFX950_AITER = Platform("rocm", "gfx950", frozenset({"triton", "aiter"}))
+GFX942_AITER = Platform("rocm", "gfx942", frozenset({"triton", "aiter"}))
+SM90 = Platform("cuda", "sm90", frozenset({"triton"}))
+SM90_NO_TRITON = Platform("cuda", "sm90")
+CPU = Platform("cpu", "x86_64", frozenset({"triton"}))
+XPU = Platform("xpu", "pvc", frozenset({"triton"}))
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    mxfx.configure()
+    clear_cache()
+    yield
+    mxfx.configure()
+    clear_cache()
+
+
+def shape(name: str, aq: str = "none", **kw) -> MoEConfig:
+    return dataclasses.replace(SHAPES[name], activation_quant=aq, **kw)
+
+
+def executes(name: str, aq: str) -> bool:
+    return aq in backends.get(name).capabilities.activation_quant
+
+
+# ------------------------------------------------------------------------- selection
+
+
+def _fused_a4_else_emulation() -> str:
+    return "triton" if executes("triton", "mxfp4") else "emulation"
+
+
+def _a8_backend_on_sm90() -> str:
+    return "triton" if executes("triton", "mxfp8") else "emulation"
+
+
+# (id, platform, config, settings for configure, env, expected backend)
+SELECT_ROWS = [
+    ("cuda-sm90-gpt-oss-W4A16", SM90, shape("gpt-oss-120b"), {}, None, "triton"),
+    ("cuda-sm90-gpt-oss-20b-W4A16", SM90, shape("gpt-oss-20b"), {}, None, "triton"),
+    ("cuda-sm90-float-weights", SM90, shape("Mixtral-8x7B", weight_quant="float"), {}, None, "triton"),
+    ("cuda-sm90-no-triton", SM90_NO_TRITON, shape("gpt-oss-120b"), {}, None, "emulation"),
+    ("cuda-sm90-float64", SM90, shape("Qwen3-30B-A3B", dtype=torch.float64), {}, None, "emulation"),
+    ("cuda-sm90-W4A8", SM90, shape("gpt-oss-120b", "mxfp8"), {}, None, _a8_backend_on_sm90()),
+    ("rocm-gfx950-W4A16", GFX950, shape("MiniMax-M3"), {}, None, "triton"),
+    ("rocm-gfx950-W4A4-no-aiter", GFX950, shape("MiniMax-M3", "mxfp4"), {}, None, _fused_a4_else_emulation()),
+    ("rocm-gfx950-aiter-W4A4-unverified", GFX950_AITER, shape("Qwen3-30B-A3B", "mxfp4"), {}, None,
+     _fused_a4_else_emulation()),
+    ("cpu-gpt-oss", CPU, shape("gpt-oss-120b"), {}, None, "emulation"),
+    ("cpu-minimax-W4A4", CPU, shape("MiniMax-M3", "mxfp4"), {}, None, "emulation"),
+    ("cpu-mixtral-W4A8", CPU, shape("Mixtral-8x7B", "mxfp8"), {}, None, "emulation"),
+    ("xpu-falls-to-emulation", XPU, shape("gpt-oss-20b"), {}, None, "emulation"),
+    ("env-override", SM90, shape("gpt-oss-120b"), {}, "emulation", "emulation"),
+    ("env-auto-is-auto", SM90, shape("gpt-oss-120b"), {}, "auto", "triton"),
+    ("configure-beats-env", SM90, shape("gpt-oss-120b"), {"moe_backend": "triton_unfused"}, "emulation",
+     "triton_unfused"),
+    ("opt-in-does-not-change-A16", SM90, shape("gpt-oss-120b"), {"allow_higher_precision_activations": True},
+     None, "triton"),
+]
+
+
+@pytest.mark.parametrize("platform,config,conf,env,want", [r[1:] for r in SELECT_ROWS],
+                         ids=[r[0] for r in SELECT_ROWS])
+def test_select(monkeypatch, platform, config, conf, env, want):
+    if env is not None:
+        monkeypatch.setenv(ENV, env)
+    mxfx.configure(**conf)
+    d = select(config, platform)
+    assert d.backend == want, str(d)
+    assert not d.higher_precision
+    assert d.activation_quant == config.activation_quant
+    assert ok(want, config, platform)
+    for name, reason in d.rejected:
+        assert reason and not supports(backends.get(name), config, platform)[0]
+    # auto never takes a backend that does not execute the activation quantization
+    assert executes(d.backend, str(config.activation_quant))
+
+
+def ok(name, config, platform):
+    return supports(backends.get(name), config, platform)[0]
+
+
+def test_rocm_w4a4_never_unfused_and_its_reason_names_activation_quant():
+    config = shape("MiniMax-M3", "mxfp4")
+    d = select(config, GFX950)
+    assert d.backend != "triton_unfused"
+    reasons = dict(d.rejected)
+    assert "activation_quant=mxfp4" in reasons["triton_unfused"]
+    assert "higher-precision activations" in reasons["triton_unfused"]
+    assert "triton_unfused" in str(d) and "activation_quant=mxfp4" in str(d)
+
+
+# (id, platform, config, backend argument, configure kwargs, env, words the error must contain)
+REFUSED_ROWS = [
+    ("explicit-unfused-W4A4", GFX950, shape("MiniMax-M3", "mxfp4"), "triton_unfused", {}, None,
+     ["triton_unfused", "activation_quant=mxfp4", "the backend argument"]),
+    ("configured-unfused-W4A8", SM90, shape("Qwen3-30B-A3B", "mxfp8"), "auto",
+     {"moe_backend": "triton_unfused"}, None, ["triton_unfused", "activation_quant=mxfp8", "configure"]),
+    ("env-unfused-W4A4", GFX950, shape("MiniMax-M3", "mxfp4"), "auto", {}, "triton_unfused",
+     ["triton_unfused", "activation_quant=mxfp4", ENV]),
+    ("explicit-triton-on-cpu", CPU, shape("gpt-oss-20b"), "triton", {}, None, ["triton", "platform=cpu"]),
+    ("explicit-triton-without-package", SM90_NO_TRITON, shape("gpt-oss-20b"), "triton", {}, None,
+     ["packages", "triton"]),
+    ("explicit-aiter-on-gfx942", GFX942_AITER, shape("Qwen3-30B-A3B", "mxfp4"), "aiter", {}, None,
+     ["arch=gfx942", "gfx950"]),
+    ("explicit-aiter-unverified", GFX950_AITER, shape("Qwen3-30B-A3B", "mxfp4"), "aiter", {}, None,
+     ["not verified by mxfx"]),
+    ("explicit-aiter-bias", GFX950_AITER, shape("gpt-oss-20b", "mxfp4"), "aiter", {}, None,
+     ["has_bias=True", "layout=interleaved"]),
+    ("argument-beats-configure", SM90, shape("gpt-oss-20b", "mxfp4"), "triton_unfused",
+     {"moe_backend": "emulation"}, None, ["triton_unfused", "activation_quant=mxfp4"]),
+]
+
+
+@pytest.mark.parametrize("platform,config,backend,conf,env,words", [r[1:] for r in REFUSED_ROWS],
+                         ids=[r[0] for r in REFUSED_ROWS])
+def test_explicit_request_is_honoured_or_raises(monkeypatch, platform, config, backend, conf, env, words):
+    if env is not None:
+        monkeypatch.setenv(ENV, env)
+    mxfx.configure(**conf)
+    with pytest.raises(NoBackendError) as e:
+        select(config, platform, backend)
+    assert len(e.value.rejected) == 1  # only the requested backend: no fall-through
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_explicit_request_that_fits_is_used():
+    d = select(shape("gpt-oss-20b"), SM90, "emulation")
+    assert (d.backend, d.requested, d.considered) == ("emulation", "emulation", ("emulation",))
+
+
+def test_opt_in_runs_a16_for_w4a4_logs_a_warning_and_records_it(caplog):
+    config = shape("MiniMax-M3", "mxfp4")
+    mxfx.configure(moe_backend="triton_unfused", allow_higher_precision_activations=True)
+    with caplog.at_level(logging.INFO, logger="mxfx"):
+        d = select(config, GFX950)
+    assert d.backend == "triton_unfused"
+    assert d.higher_precision and d.activation_quant == "none"
+    assert "higher precision" in str(d)
+    warnings = [r for r in caplog.records if r.name == "mxfx" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "activations run as none" in warnings[0].getMessage()
+
+
+def test_opt_in_auto_takes_the_first_backend_in_priority_order():
+    mxfx.configure(allow_higher_precision_activations=True)
+    d = select(shape("MiniMax-M3", "mxfp4"), GFX950)
+    assert d.backend == "triton"
+    # the nearest higher precision the backend executes exactly
+    want = "mxfp8" if executes("triton", "mxfp8") else "none"
+    assert d.activation_quant == ("mxfp4" if executes("triton", "mxfp4") else want)
+
+
+def test_opt_in_never_overrides_other_reasons():
+    mxfx.configure(moe_backend="triton", allow_higher_precision_activations=True)
+    with pytest.raises(NoBackendError, match="platform=cpu"):
+        select(shape("MiniMax-M3", "mxfp4"), CPU)
+
+
+def test_nothing_fits_lists_every_candidate_and_reason(monkeypatch):
+    # A ROCm box where neither Triton nor aiter imports, with the reference taken away.
+    monkeypatch.setitem(PRIORITY, "rocm", ("aiter", "triton", "triton_unfused"))
+    with pytest.raises(NoBackendError) as e:
+        select(shape("MiniMax-M3", "mxfp4"), Platform("rocm", "gfx950"))
+    assert [n for n, _ in e.value.rejected] == ["aiter", "triton", "triton_unfused"]
+    message = str(e.value)
+    assert message.startswith("no MoE backend can run E=128 H=6144")
+    for name, reason in e.value.rejected:
+        assert f"  {name}: {reason}" in message
+    assert "packages: needs ['aiter']" in message and "packages: needs ['triton']" in message
+    assert "activation_quant=mxfp4" in dict(e.value.rejected)["triton_unfused"]
+
+
+# (id, where the name is given, call)
+UNKNOWN_ROWS = [
+    ("select-argument", "backend", lambda: select(shape("gpt-oss-20b"), CPU, "tritonn")),
+    ("configure", "moe_backend", lambda: mxfx.configure(moe_backend="tritonn")),
+    ("env", ENV, lambda: select(shape("gpt-oss-20b"), CPU)),
+]
+
+
+@pytest.mark.parametrize("argument,call", [r[1:] for r in UNKNOWN_ROWS], ids=[r[0] for r in UNKNOWN_ROWS])
+def test_unknown_backend_name_lists_valid_names(monkeypatch, argument, call):
+    monkeypatch.setenv(ENV, "tritonn")
+    with pytest.raises(ValueError) as e:
+        call()
+    message = str(e.value)
+    assert message.startswith(f"{argument}: got 'tritonn'")
+    for name in ("triton", "triton_unfused", "emulation", "aiter"):
+        assert repr(name) in message
+
+
+def test_decisions_are_cached_and_logged_once(caplog, monkeypatch):
+    config = shape("gpt-oss-120b")
+    with caplog.at_level(logging.INFO, logger="mxfx"):
+        first = select(config, SM90)
+        assert select(dataclasses.replace(config), SM90) is first  # equal config: a cache hit
+        assert explain(config, SM90) is first
+        infos = [r for r in caplog.records if r.name == "mxfx"]
+        assert len(infos) == 1 and infos[0].levelno == logging.INFO and "triton" in infos[0].getMessage()
+        monkeypatch.setenv(ENV, "emulation")  # settings are part of the key
+        assert select(config, SM90).backend == "emulation"
+        monkeypatch.delenv(ENV)
+        assert select(config, SM90) is first
+        assert select(config, GFX950) is not first  # so is the platform
+    assert len([r for r in caplog.records if r.name == "mxfx"]) == 3
+
+
+def test_decision_table_names_every_candidate():
+    d = select(shape("MiniMax-M3", "mxfp8"), GFX950_AITER)
+    text = str(d)
+    assert d.considered == ("aiter", "triton", "triton_unfused", "emulation")
+    for name, reason in d.rejected:
+        assert name in text and reason in text
+    assert f"\n  {d.backend:<14}  chosen" in text
+    for name in d.considered[d.considered.index(d.backend) + 1:]:
+        status = f"rejected: {dict(d.rejected)[name]}" if name in dict(d.rejected) else "eligible, lower priority"
+        assert f"\n  {name:<14}  {status}" in text
+    assert isinstance(d.rejected, list) and all(isinstance(r, tuple) and len(r) == 2 for r in d.rejected)
+
+
+def test_explain_uses_this_machine():
+    d = mxfx.explain(shape("Mixtral-8x7B"))
+    assert d.platform == Platform.current()
+
+
+# ------------------------------------------------------------------------- registry
+
+
+class _Recorder(Backend):
+    """A third-party backend for the CPU that records its calls and delegates to emulation."""
+
+    name = "recorder"
+    capabilities = Capabilities(
+        platforms=frozenset({"cpu"}),
+        weight_quant=frozenset({"mxfp4"}),
+        activation_quant=frozenset({"none"}),
+        dtypes=frozenset({torch.float32}),
+        bias=False,
+        hidden_align=64,
+    )
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, x, topk_weights, topk_ids, weights, act, aq):
+        self.calls.append(aq)
+        return emulation.moe(x, topk_weights, topk_ids, weights, act, aq)
+
+
+@pytest.fixture
+def recorder():
+    backend = _Recorder()
+    backends.register(backend)
+    yield backend
+    backends.unregister(backend.name)
+
+
+def test_registered_backend_is_tried_first_where_it_fits(recorder):
+    fits = MoEConfig(4, 64, 32, 2, dtype=torch.float32)
+    assert select(fits, CPU).backend == "recorder"
+    assert "recorder" in backends.names()
+    d = select(dataclasses.replace(fits, hidden_size=96), CPU)
+    assert d.backend == "emulation"
+    assert dict(d.rejected)["recorder"] == "hidden_size=96: needs a multiple of 64"
+    with pytest.raises(ValueError, match="new name"):
+        backends.register(_Recorder())
+    with pytest.raises(ValueError, match="new name"):
+        backends.register(type("T", (_Recorder,), {"name": "triton"})())
+
+
+def test_unregistered_backend_is_gone(recorder):
+    backends.unregister("recorder")
+    with pytest.raises(ValueError, match="'recorder'"):
+        select(MoEConfig(4, 64, 32, 2, dtype=torch.float32), CPU, "recorder")
+    backends.register(recorder)
+
+
+# ------------------------------------------------------------------------- the eager op
+
+
+def _moe_inputs(dtype=torch.float32, bias=False):
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 4, 64, 32, 5, 2
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    p13, s13 = mxfx.formats.quantize(w13, "mxfp4", "round_up")
+    p2, s2 = mxfx.formats.quantize(w2, "mxfp4", "round_up")
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    tw = torch.softmax(torch.randn(T, k, generator=g), -1)
+    b13 = torch.randn(E, 2 * I, generator=g) if bias else None
+    return x, tw, ids, p13, s13, b13, p2, s2, None
+
+
+def _reference(args, aq="none"):
+    x, tw, ids, p13, s13, b13, p2, s2, b2 = args
+    weights = MoEWeights(p13, s13, b13, p2, s2, b2)
+    act = mxfx.GatedActivation("halves", 1.0, 0.0, None)
+    return emulation.moe(x, tw, ids, weights, act, ActivationQuant(aq, "even"))
+
+
+# (id, backend argument, configure kwargs, env, activation_quant, error type and words, or None)
+OP_ROWS = [
+    ("auto", "auto", {}, None, "mxfp4", None),
+    ("explicit-emulation", "emulation", {}, None, "mxfp8", None),
+    ("explicit-triton-on-cpu", "triton", {}, None, "none", (NoBackendError, "platform=cpu")),
+    ("configured-triton-on-cpu", "auto", {"moe_backend": "triton"}, None, "none", (NoBackendError, "platform=cpu")),
+    ("env-triton-on-cpu", "auto", {}, "triton_unfused", "none", (NoBackendError, ENV)),
+    ("argument-beats-env", "emulation", {}, "triton", "none", None),
+    ("unknown-name", "tritonn", {}, None, "none", (ValueError, "backend: got 'tritonn'")),
+]
+
+
+@pytest.mark.parametrize("backend,conf,env,aq,error", [r[1:] for r in OP_ROWS], ids=[r[0] for r in OP_ROWS])
+def test_eager_op_goes_through_the_selector(monkeypatch, backend, conf, env, aq, error):
+    if env is not None:
+        monkeypatch.setenv(ENV, env)
+    mxfx.configure(**conf)
+    args = _moe_inputs()
+    call = lambda: torch.ops.mxfx.moe(*args, "halves", 1.0, 0.0, None, aq, backend)  # noqa: E731
+    if error is None:
+        torch.testing.assert_close(call(), _reference(args, aq), rtol=0, atol=0)
+    else:
+        with pytest.raises(error[0], match=error[1]):
+            call()
+
+
+def test_eager_op_runs_the_chosen_backend_and_follows_settings(recorder):
+    args = _moe_inputs()
+    out = torch.ops.mxfx.moe(*args)
+    assert len(recorder.calls) == 1
+    torch.testing.assert_close(out, _reference(args), rtol=0, atol=0)
+    torch.ops.mxfx.moe(*args)
+    assert len(recorder.calls) == 2  # the cached path runs the same backend
+    mxfx.configure(moe_backend="emulation")
+    torch.ops.mxfx.moe(*args)
+    assert len(recorder.calls) == 2
+    mxfx.configure()
+    torch.ops.mxfx.moe(*_moe_inputs(bias=True))  # the recorder takes no biases
+    assert len(recorder.calls) == 2
+
+
+def test_eager_op_passes_the_executed_activation_quant_on_opt_in(recorder):
+    args = _moe_inputs()
+    with pytest.raises(NoBackendError, match="activation_quant=mxfp4"):
+        torch.ops.mxfx.moe(*args, "halves", 1.0, 0.0, None, "mxfp4", "recorder")
+    mxfx.configure(allow_higher_precision_activations=True)
+    out = torch.ops.mxfx.moe(*args, "halves", 1.0, 0.0, None, "mxfp4", "recorder")
+    assert [aq.fmt for aq in recorder.calls] == ["none"]
+    torch.testing.assert_close(out, _reference(args, "none"), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------- platform, keys, config
+
+NATIVE_MX_ROWS = [
+    (Platform("cuda", "sm80"), False), (Platform("cuda", "sm89"), False), (Platform("cuda", "sm90"), False),
+    (Platform("cuda", "sm100"), True), (Platform("cuda", "sm120"), True), (Platform("rocm", "gfx90a"), False),
+    (Platform("rocm", "gfx942"), False), (Platform("rocm", "gfx950"), True), (Platform("rocm", "gfx1100"), False),
+    (Platform("cpu", "x86_64"), False), (Platform("xpu", "pvc"), False),
+]
+
+
+@pytest.mark.parametrize("platform,native", NATIVE_MX_ROWS, ids=[f"{p.kind}-{p.arch}" for p, _ in NATIVE_MX_ROWS])
+def test_native_mx(platform, native):
+    assert platform.native_mx is native
+
+
+def test_platform_is_frozen_and_validated():
+    p = Platform("rocm", "gfx950", ["aiter"])
+    q = Platform("rocm", "gfx950", frozenset({"aiter"}))
+    assert p == q and hash(p) == hash(q) and p != GFX950_AITER
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.kind = "cuda"
+    with pytest.raises(ValueError, match="kind: got 'tpu'"):
+        Platform("tpu")
+    with pytest.raises(TypeError, match="packages"):
+        Platform("cpu", "", "triton")
+
+
+def test_platform_current_on_this_machine():
+    p = Platform.current()
+    assert p is Platform.current()  # detected once
+    assert Platform.current("cpu").kind == "cpu"
+    if not torch.cuda.is_available():
+        assert p.kind == "cpu"
+    with pytest.raises(ValueError, match="device: got meta"):
+        Platform.current("meta")
+
+
+def test_quant_keys_compare_by_value():
+    assert WeightQuant("mxfp4") is WeightQuant.MXFP4 and WeightQuant.MXFP4 == "mxfp4"
+    assert ActivationQuantKey.MXFP8 in frozenset({"mxfp8"}) and "mxfp8" in frozenset({ActivationQuantKey.MXFP8})
+    assert ActivationQuantKey.MXFP4.higher_precision() == (ActivationQuantKey.MXFP8, ActivationQuantKey.NONE)
+    assert ActivationQuantKey.NONE.higher_precision() == ()
+    a = MoEConfig(8, 64, 32, 2, activation_quant="mxfp8", weight_quant="float")
+    b = MoEConfig(8, 64, 32, 2, activation_quant=ActivationQuantKey.MXFP8, weight_quant=WeightQuant.FLOAT)
+    assert a == b and hash(a) == hash(b) and isinstance(a.activation_quant, ActivationQuantKey)
+    assert str(a.activation_quant) == "mxfp8"
+
+
+BAD_CONFIG_ROWS = [
+    (dict(activation_quant="int8"), ValueError, "activation_quant: got 'int8'"),
+    (dict(weight_quant="nvfp4"), ValueError, "weight_quant: got 'nvfp4'"),
+    (dict(top_k=9), ValueError, "top_k: got 9"),
+    (dict(num_experts=0, top_k=0), ValueError, "num_experts: got 0"),
+    (dict(layout="pairs"), ValueError, "layout: got 'pairs'"),
+    (dict(dtype=torch.int8), TypeError, "dtype: got torch.int8"),
+    (dict(activation_scale_rounding="up"), ValueError, "scale_rounding"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD_CONFIG_ROWS, ids=[next(iter(r[0])) for r in BAD_CONFIG_ROWS])
+def test_bad_config_names_the_field(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        MoEConfig(**{**dict(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2), **kw})
+
+
+def _hf_rows():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    return [
+        (transformers.GptOssConfig(), "gpt-oss-120b"),
+        (transformers.GptOssConfig(num_local_experts=32, num_hidden_layers=24), "gpt-oss-20b"),
+        (transformers.Qwen3MoeConfig(), "Qwen3-30B-A3B"),
+        (transformers.MixtralConfig(), "Mixtral-8x7B"),
+        (MiniMaxM3VLTextConfig(), "MiniMax-M3"),
+        (transformers.MiniMaxM3VLConfig(), "MiniMax-M3"),
+    ]
+
+
+def test_from_hf_config_matches_the_named_shapes():
+    for cfg, name in _hf_rows():
+        got = MoEConfig.from_hf_config(cfg, activation_quant="mxfp4")
+        assert got == shape(name, "mxfp4"), (type(cfg).__name__, got)
+
+
+# (config class, its defaults' (E, H, I, k)): SiLU-and-mul experts on halves, no bias
+HF_SILU_ROWS = [
+    ("Qwen3NextConfig", (512, 2048, 512, 10)),
+    ("Qwen3_5MoeConfig", (256, 2048, 512, 8)),
+    ("MiniMaxConfig", (8, 4096, 14336, 2)),
+    ("MiniMaxM2Config", (256, 3072, 1536, 8)),
+]
+
+
+@pytest.mark.parametrize("cls,want", HF_SILU_ROWS, ids=[r[0] for r in HF_SILU_ROWS])
+def test_from_hf_config_silu_models(cls, want):
+    transformers = pytest.importorskip("transformers")
+    got = MoEConfig.from_hf_config(getattr(transformers, cls)(), dtype=torch.float16, weight_quant="float")
+    assert (got.num_experts, got.hidden_size, got.intermediate_size, got.top_k) == want
+    assert got.activation == mxfx.activation.SILU_AND_MUL and not got.has_bias
+    assert (got.dtype, got.weight_quant, got.activation_quant) == (torch.float16, "float", "none")
+
+
+def test_from_hf_config_refuses_what_it_does_not_know():
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        MoEConfig.from_hf_config(transformers.LlamaConfig())
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        MoEConfig.from_hf_config(transformers.MixtralConfig(hidden_act="gelu"))
+
+
+# ------------------------------------------------------------------------- doctor
+
+
+def test_doctor_on_this_machine(capsys):
+    assert cli(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out and str(Platform.current()) in out
+    for name in SHAPES:
+        assert f"{name}: " in out
+    assert out.count("A=mxfp4 -> ") == len(SHAPES) and "NO BACKEND" not in out
+
+
+def test_doctor_on_simulated_gfx950(capsys):
+    assert cli(["doctor", "--platform", "rocm:gfx950", "--packages", "triton,aiter"]) == 0
+    out = capsys.readouterr().out
+    assert "rocm gfx950 (native MX; optional packages: aiter, triton) (simulated)" in out
+    minimax = out.split("MiniMax-M3:")[1].split("\n\n")[0]
+    a4 = minimax.split("A=mxfp4 -> ")[1].split("\n  A=")[0]
+    assert a4.startswith(_fused_a4_else_emulation())
+    assert "triton_unfused: activation_quant=mxfp4" in a4
+    assert "aiter: not verified by mxfx" in a4
