@@ -65,10 +65,10 @@ def element_format(fmt: str) -> ElementFormat:
         raise ValueError(f"fmt: got {fmt!r}, expected one of {sorted(FORMATS)}") from None
 
 
-def check_scale_rounding(scale_rounding: str) -> None:
+def check_scale_rounding(scale_rounding: str, argument: str = "scale_rounding") -> None:
     if scale_rounding not in SCALE_ROUNDINGS:
         raise ValueError(
-            f"scale_rounding: got {scale_rounding!r}, expected one of {list(SCALE_ROUNDINGS)}"
+            f"{argument}: got {scale_rounding!r}, expected one of {list(SCALE_ROUNDINGS)}"
         )
 
 
@@ -149,7 +149,8 @@ def quantize(
 
     Returns ``(packed, scales)``: for ``"mxfp4"`` packed is uint8 ``[..., K/2]``; for the FP8
     formats it is the float8 dtype ``[..., K]``. Scales are uint8 ``[..., K/32]`` (E8M0).
-    Both are contiguous. ``K`` must be a multiple of 32.
+    Both are contiguous. ``K`` must be a multiple of 32. float64 input is rounded to float32
+    first (as torch's own float64 → float8 casts do), so it is exact only for float32 values.
     """
     ef = element_format(fmt)
     check_scale_rounding(scale_rounding)

@@ -6,16 +6,19 @@ with the same message as in eager mode.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from mxfx import formats
+from mxfx import backends, formats
 from mxfx.activation import GatedActivation, check_activation
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.backends.base import ActivationQuant, Backend, MoEWeights
+from mxfx.oracle import MoEConfig, Platform, select
+from mxfx.oracle import settings as oracle_settings
 
 ACTIVATION_QUANTS = ("none", "mxfp8", "mxfp4")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -135,10 +138,10 @@ def check_moe(
         raise ValueError(
             f"activation_quant: got {activation_quant!r}, expected one of {list(ACTIVATION_QUANTS)}"
         )
-    formats.check_scale_rounding(activation_scale_rounding)
+    formats.check_scale_rounding(activation_scale_rounding, "activation_scale_rounding")
     if not isinstance(backend, str):
         raise TypeError(f"backend: got {backend!r}, expected a backend name or 'auto'")
-    _check_backend_name(backend)
+    backends.check_name(backend)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x: got dtype {x.dtype}, expected one of {list(_FLOAT_DTYPES)}")
     if x.dim() != 2:
@@ -168,17 +171,21 @@ def check_moe(
     _check_expert_weight("w2", w2, w2_scale, E, H, two_i // 2, "intermediate size I")
     _check_bias("w13_bias", w13_bias, (E, two_i))
     _check_bias("w2_bias", w2_bias, (E, H))
-    if topk_ids.shape[1] > E:
-        raise ValueError(f"topk_ids: k={topk_ids.shape[1]} slots, but there are only E={E} experts")
-    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids), ("w13", w13), ("w2", w2)):
-        if t.device != x.device:
+    if activation_quant != "none" and (H % formats.BLOCK or (two_i // 2) % formats.BLOCK):
+        raise ValueError(
+            f"activation_quant: {activation_quant!r} quantizes each GEMM input per "
+            f"{formats.BLOCK}-block along K, so the hidden size H and the intermediate size I "
+            f"must be multiples of {formats.BLOCK}; got H={H}, I={two_i // 2}"
+        )
+    # k > E is allowed: under expert parallelism a device holds fewer experts than k and
+    # marks the slots routed elsewhere with id -1.
+    tensors = {
+        "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w13_scale": w13_scale,
+        "w13_bias": w13_bias, "w2": w2, "w2_scale": w2_scale, "w2_bias": w2_bias,
+    }
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device}, expected x's device {x.device}")
-
-
-def _check_backend_name(backend: str) -> None:
-    # UNTIL THE ORACLE LANDS: the only backend is emulation.
-    if backend not in ("auto", "emulation"):
-        raise ValueError(f"backend: got {backend!r}, expected one of ['auto', 'emulation']")
 
 
 def check_expert_ids(topk_ids: Tensor, num_experts: int) -> None:
@@ -241,7 +248,21 @@ def gated_activation(
     ``[..., d]`` in ``x.dtype``, computed in float32."""
     check_gated_activation(x, layout, alpha, beta, limit)
     act = GatedActivation(layout, alpha, beta, limit)
+    kernel = _activation_kernel() if x.device.type == "cuda" else None
+    if kernel is not None and x.dtype in kernel.DTYPES:
+        return kernel.gated_activation(x, act)
     return emulation.gated_activation(x, act).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _activation_kernel():
+    """The Triton activation kernel module, or None where Triton does not import.
+    Imported on first use so that machines without Triton never load it."""
+    try:
+        from mxfx.kernels import activation
+    except ImportError:
+        return None
+    return activation
 
 
 @gated_activation.register_fake
@@ -287,6 +308,45 @@ def _gated_activation_backward(ctx, grad):
 gated_activation.register_autograd(_gated_activation_backward, setup_context=_gated_activation_setup)
 
 
+_MOE_BACKENDS: dict[tuple, tuple[Backend, str]] = {}
+
+
+def _moe_backend(
+    x: Tensor, topk_ids: Tensor, w13: Tensor, has_bias: bool, layout: str, alpha: float,
+    beta: float, limit: Optional[float], activation_quant: str, scale_rounding: str, backend: str,
+) -> tuple[Backend, str]:
+    """The oracle's backend for this call and the activation quantization it executes.
+
+    Cached per layer signature and oracle settings, so a repeated call costs one tuple and one
+    dict lookup; only a new signature builds a ``MoEConfig`` and asks :func:`mxfx.oracle.select`.
+    """
+    key = (
+        x.device, x.dtype, w13.dtype, w13.shape[0], w13.shape[1], x.shape[1], topk_ids.shape[1],
+        has_bias, layout, alpha, beta, limit, activation_quant, scale_rounding, backend,
+        oracle_settings.token(),
+    )
+    hit = _MOE_BACKENDS.get(key)
+    if hit is None:
+        config = MoEConfig(
+            num_experts=w13.shape[0],
+            hidden_size=x.shape[1],
+            intermediate_size=w13.shape[1] // 2,
+            top_k=topk_ids.shape[1],
+            layout=layout,
+            alpha=alpha,
+            beta=beta,
+            limit=limit,
+            has_bias=has_bias,
+            dtype=x.dtype,
+            weight_quant="mxfp4" if w13.dtype == torch.uint8 else "float",
+            activation_quant=activation_quant,
+            activation_scale_rounding=scale_rounding,
+        )
+        decision = select(config, Platform.current(x.device), backend)
+        hit = _MOE_BACKENDS[key] = (backends.get(decision.backend), decision.activation_quant.value)
+    return hit
+
+
 @torch.library.custom_op("mxfx::moe", mutates_args=())
 def moe(
     x: Tensor,
@@ -327,10 +387,15 @@ def moe(
     args = (x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
     check_moe(*args, layout, alpha, beta, limit, activation_quant, backend, activation_scale_rounding)
     check_expert_ids(topk_ids, w13.shape[0])
+    has_bias = w13_bias is not None or w2_bias is not None
+    impl, executes = _moe_backend(
+        x, topk_ids, w13, has_bias, layout, alpha, beta, limit, activation_quant,
+        activation_scale_rounding, backend,
+    )
     weights = MoEWeights(w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
     act = GatedActivation(layout, alpha, beta, limit)
-    aq = ActivationQuant(activation_quant, activation_scale_rounding)
-    return emulation.moe(x, topk_weights, topk_ids, weights, act, aq)
+    aq = ActivationQuant(executes, activation_scale_rounding)
+    return impl.run(x, topk_weights, topk_ids, weights, act, aq)
 
 
 @moe.register_fake

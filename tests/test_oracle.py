@@ -433,7 +433,7 @@ def test_quant_keys_compare_by_value():
 BAD_CONFIG_ROWS = [
     (dict(activation_quant="int8"), ValueError, "activation_quant: got 'int8'"),
     (dict(weight_quant="nvfp4"), ValueError, "weight_quant: got 'nvfp4'"),
-    (dict(top_k=9), ValueError, "top_k: got 9"),
+    (dict(top_k=0), ValueError, "top_k: got 0"),
     (dict(num_experts=0, top_k=0), ValueError, "num_experts: got 0"),
     (dict(layout="pairs"), ValueError, "layout: got 'pairs'"),
     (dict(dtype=torch.int8), TypeError, "dtype: got torch.int8"),

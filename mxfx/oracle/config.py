@@ -50,10 +50,6 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden_size", "intermediate_size", "top_k"):
             _check_size(name, getattr(self, name))
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"top_k: got {self.top_k}, expected at most num_experts={self.num_experts}"
-            )
         check_activation(self.layout, self.alpha, self.beta, self.limit)
         if not isinstance(self.has_bias, bool):
             raise TypeError(f"has_bias: got {self.has_bias!r}, expected a bool")
