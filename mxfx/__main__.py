@@ -6,34 +6,46 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import torch
+    from mxfx.demo import main as demo_main
 
-    from mxfx import ops  # noqa: F401  (registers torch.ops.mxfx)
+    return demo_main(args)
 
-    torch.manual_seed(0)
-    E, H, I, T, k = 8, 256, 128, 16, 2
-    w13 = torch.randn(E, 2 * I, H) / H**0.5
-    w2 = torch.randn(E, H, I) / I**0.5
-    x = torch.randn(T, H)
-    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
-    tw = torch.softmax(torch.randn(T, k), dim=-1)
-    p13, s13 = torch.ops.mxfx.quantize_mx(w13, "mxfp4", "round_up")
-    p2, s2 = torch.ops.mxfx.quantize_mx(w2, "mxfp4", "round_up")
-    act = ("interleaved", 1.702, 1.0, 7.0)
-    out = torch.ops.mxfx.moe(x, tw, ids, p13, s13, None, p2, s2, None, *act)
-    ref = torch.ops.mxfx.moe(x, tw, ids, w13, None, None, w2, None, None, *act)
-    rel = ((out - ref).norm() / ref.norm()).item()
-    print(f"MXFP4 MoE E={E} H={H} I={I} T={T} top-{k}: backend=emulation")
-    print(f"relative error vs float weights: {rel:.4f}")
+
+def _doctor(args: argparse.Namespace) -> int:
+    from mxfx.oracle import Platform
+    from mxfx.oracle.doctor import report
+
+    platform = None
+    if args.platform:
+        kind, _, arch = args.platform.partition(":")
+        packages = Platform.current().packages if args.packages is None else args.packages.split(",")
+        try:
+            platform = Platform(kind, arch, frozenset(p for p in packages if p))
+        except ValueError as e:
+            print(f"--platform: {e}", file=sys.stderr)
+            return 2
+    print(report(platform))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark parses its own options
+        from mxfx.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mxfx")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="quantize a small MoE to MXFP4 and run it")
+    demo = sub.add_parser("demo", help="quantize a small MoE model to MXFP4 and compile it with mxfx")
+    from mxfx.demo import add_arguments as demo_arguments
+
+    demo_arguments(demo)
+    sub.add_parser("bench", help="MoE layer time against the roofline (bench --help for options)")
+    doctor = sub.add_parser("doctor", help="this platform and the MoE backend chosen for known models")
+    doctor.add_argument("--platform", help="simulate KIND:ARCH, e.g. rocm:gfx950 or cuda:sm90")
+    doctor.add_argument("--packages", help="with --platform: optional packages that import, e.g. triton,aiter")
     args = parser.parse_args(argv)
-    return {"demo": _demo}[args.command](args)
+    return {"demo": _demo, "doctor": _doctor}[args.command](args)
 
 
 if __name__ == "__main__":
