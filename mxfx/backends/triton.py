@@ -1,0 +1,59 @@
+"""The fused Triton MoE backend: mxfx's own kernels on CUDA and ROCm.
+
+GEMM1 over ``w13`` (MXFP4 dequantized in registers, or float) with bias and the gated
+activation in its epilogue, then GEMM2 over ``w2`` with bias and routing weight, then a
+deterministic sum over the k slots (no atomics). Activation quantization is executed in
+registers exactly as :mod:`mxfx.backends.emulation` does it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mxfx.activation import GatedActivation
+from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights
+
+
+class TritonBackend(Backend):
+    """Fused grouped-GEMM MoE in Triton (routing prep, GEMM1+activation, GEMM2, k-sum)."""
+
+    name = "triton"
+    capabilities = Capabilities(
+        platforms=frozenset({"cuda", "rocm"}),
+        weight_quant=frozenset({"float", "mxfp4"}),
+        # A8/A4 executed as the emulation does it (x quantize-dequantized once, the
+        # intermediate in GEMM1's epilogue); tests check equality with emulation.
+        activation_quant=frozenset({"none", "mxfp8", "mxfp4"}),
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        layouts=frozenset({"interleaved", "halves"}),
+        bias=True,
+        packages=frozenset({"triton"}),
+        note="MXFP4 unpacked in registers (PTX bf16x2 on CUDA sm90+, portable float32 "
+        "elsewhere) + tl.dot; no native scaled MMA yet; verified on H200 (sm90) only",
+    )
+
+    def extra_check(self, config, platform) -> Optional[str]:
+        aq = getattr(config.activation_quant, "value", config.activation_quant)
+        if aq != "none" and (config.hidden_size % 32 or config.intermediate_size % 32):
+            return (
+                f"activation_quant {aq!r} needs hidden and intermediate sizes that are multiples "
+                f"of 32, got {config.hidden_size} and {config.intermediate_size}"
+            )
+        return None
+
+    def run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        weights: MoEWeights,
+        act: GatedActivation,
+        aq: ActivationQuant,
+    ) -> torch.Tensor:
+        from mxfx.kernels.moe import fused_moe
+
+        return fused_moe(x, topk_weights, topk_ids, weights, act, aq)
+
+
+BACKEND = TritonBackend()

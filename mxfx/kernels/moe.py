@@ -1,0 +1,318 @@
+"""Grouped MoE GEMMs in Triton with fused epilogues, and their launch code.
+
+One kernel, :func:`_moe_gemm`, serves every GEMM of the MoE. A program owns one block of
+``BLOCK_M`` (token, slot) pairs of a single expert (from :mod:`mxfx.kernels.routing`) and
+``BLOCK_N`` output columns; it gathers its activation rows, streams the expert's weight
+tile along K (MXFP4 unpacked and scaled in registers, or float), accumulates in float32 with ``tl.dot`` on x.dtype operands, and finishes with one of the
+epilogues:
+
+- GEMM1, fused: + bias, gated activation (gate and up rows are two accumulators, so both
+  layouts and any alpha, beta, limit work), rounded to x.dtype, MX quantize-dequantized
+  per 32 columns under activation quantization, stored per pair: ``[T*k, I]``;
+- GEMM1, unfused: + bias, stored in x.dtype: ``[T*k, 2I]``;
+- GEMM2: + bias, × routing weight, stored in float32 per pair: ``[T*k, H]``.
+
+The sum over the k slots is a separate pass over ``[T*k, H]`` that adds each token's slots
+in slot order: deterministic (no atomics) and one rounding to x.dtype at the end, like the
+emulation backend.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from mxfx.activation import GatedActivation
+from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.kernels import mx
+from mxfx.kernels.routing import Routing, align
+
+
+@triton.jit
+def _dot(a, w, acc, IEEE: tl.constexpr):
+    """``acc + a @ w.T`` with float32 accumulation (IEEE float32 products for float32 input)."""
+    if IEEE:
+        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _mma_tile(acc, a, w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_wk, stride_sn,
+              stride_sk, W_MXFP4: tl.constexpr, PTX_UNPACK: tl.constexpr, IEEE: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``acc += a @ W[rows, k0:k0+BK].T`` for one expert's weight ``W``, float or MXFP4."""
+    if W_MXFP4:
+        kp = k0 // 2 + tl.arange(0, BK // 2)
+        kg = k0 // 32 + tl.arange(0, BK // 32)
+        p = tl.load(w_base + rows[:, None] * stride_wn + kp[None, :] * stride_wk,
+                    mask=row_ok[:, None] & (kp < K // 2)[None, :], other=0)
+        s = tl.load(s_base + rows[:, None] * stride_sn + kg[None, :] * stride_sk,
+                    mask=row_ok[:, None] & (kg < K // 32)[None, :], other=127)
+        # Even and odd K offsets stay apart: the activations are split to match, which is
+        # cheaper than interleaving the unpacked weights.
+        if PTX_UNPACK:
+            w_even, w_odd = mx.mxfp4_dequant_halves_bf16(p, s, BN, BK)
+        else:
+            w_even, w_odd = mx.mxfp4_dequant_halves(p, s, BN, BK)
+        a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+        acc = _dot(a_even, w_even.to(a.dtype), acc, IEEE)
+        return _dot(a_odd, w_odd.to(a.dtype), acc, IEEE)
+    else:
+        kk = k0 + tl.arange(0, BK)
+        w = tl.load(w_base + rows[:, None] * stride_wn + kk[None, :] * stride_wk,
+                    mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+        return _dot(a, w.to(a.dtype), acc, IEEE)
+
+
+@triton.jit
+def _moe_gemm(
+    a_ptr, stride_am, stride_ak,
+    w_ptr, stride_we, stride_wn, stride_wk,
+    s_ptr, stride_se, stride_sn, stride_sk,
+    bias_ptr, stride_be, stride_bn,
+    rw_ptr,
+    sorted_ptr, block_expert_ptr, block_rows_ptr,
+    out_ptr, stride_om, stride_on,
+    N, up_offset,
+    alpha, beta, limit,
+    K: tl.constexpr,
+    A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    GATE_STRIDE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    W_MXFP4: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr,
+    AQ: tl.constexpr,
+    AQ_ROUNDING: tl.constexpr,
+    IEEE: tl.constexpr,
+    PTX_UNPACK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    blk = pid // num_n
+    expert = tl.load(block_expert_ptr + blk)
+    if expert < 0:
+        return
+    valid = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + blk)
+    pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M), mask=valid, other=0)
+    a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
+    n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    e64 = expert.to(tl.int64)
+    w_base = w_ptr + e64 * stride_we
+    s_base = s_ptr + e64 * stride_se
+    rows_g = n * GATE_STRIDE
+    rows_u = rows_g + up_offset
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + kk[None, :] * stride_ak, mask=valid[:, None] & (kk < K)[None, :], other=0.0)
+        acc_g = _mma_tile(acc_g, a, w_base, s_base, rows_g, n_ok, k0, K, stride_wn, stride_wk,
+                          stride_sn, stride_sk, W_MXFP4, PTX_UNPACK, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GATED:
+            acc_u = _mma_tile(acc_u, a, w_base, s_base, rows_u, n_ok, k0, K, stride_wn, stride_wk,
+                              stride_sn, stride_sk, W_MXFP4, PTX_UNPACK, IEEE, BLOCK_M, BLOCK_N,
+                              BLOCK_K)
+
+    if HAS_BIAS:
+        b_base = bias_ptr + e64 * stride_be
+        acc_g += tl.load(b_base + rows_g * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + rows_u * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = acc_g
+        up = acc_u
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+            up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+        res = gate * tl.sigmoid(alpha * gate) * (up + beta)
+    else:
+        res = acc_g
+    if ROUTE_WEIGHT:
+        res = res * tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+    res = res.to(out_ptr.dtype.element_ty)
+    if AQ != 0:
+        # The next GEMM's input, quantized once here rather than in each of its programs.
+        res = mx.qdq(res, AQ, AQ_ROUNDING, BLOCK_M, BLOCK_N)
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :] * stride_on
+    tl.store(out, res, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_slots(y_ptr, ids_ptr, out_ptr, H, num_experts, stride_ot, TOPK: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(TOPK):
+        pair = t * TOPK + j
+        e = tl.load(ids_ptr + pair)
+        routed = (e >= 0) & (e < num_experts)
+        acc += tl.load(y_ptr + pair * H + h, mask=h_ok & routed, other=0.0)
+    tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n1: int  # GEMM1 output columns per program (per accumulator); a multiple of 32
+    block_n2: int  # GEMM2 output columns per program
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """Tile shapes from the mean rows per expert: small blocks and many N tiles while the
+    weights dominate (few tokens), large tiles once it is matrix-bound."""
+    rows = num_pairs / num_experts
+    if rows <= 16:
+        return GemmConfig(16, 32, 64, 128, 4, 4)
+    if rows <= 32:
+        return GemmConfig(32, 32, 64, 128, 4, 4)
+    if rows <= 96:
+        return GemmConfig(64, 64, 64, 64, 4, 3)
+    return GemmConfig(128, 64, 128, 64, 8, 3)
+
+
+def _gemm(
+    a: torch.Tensor,
+    a_row_div: int,
+    w: torch.Tensor,
+    w_scale: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    routing: Routing,
+    out: torch.Tensor,
+    n_out: int,
+    k_in: int,
+    cfg: GemmConfig,
+    *,
+    block_n: int,
+    act: Optional[GatedActivation] = None,
+    route_weights: Optional[torch.Tensor] = None,
+    aq: ActivationQuant = ActivationQuant(),
+) -> None:
+    quantized = w_scale is not None
+    s = w_scale if quantized else w  # unused pointer when float
+    b = bias if bias is not None else w
+    rw = route_weights if route_weights is not None else w
+    gated = act is not None
+    interleaved = gated and act.layout == "interleaved"
+    limit = act.limit if gated and act.limit is not None else 0.0
+    num_blocks = routing.block_expert.numel()
+    grid = (num_blocks * triton.cdiv(n_out, block_n),)
+    _moe_gemm[grid](
+        a, a.stride(0), a.stride(1),
+        w, w.stride(0), w.stride(1), w.stride(2),
+        s, s.stride(0), s.stride(1), s.stride(2),
+        b, b.stride(0), b.stride(-1),
+        rw,
+        routing.sorted_pairs, routing.block_expert, routing.block_rows,
+        out, out.stride(0), out.stride(1),
+        n_out, (1 if interleaved else n_out) if gated else 0,
+        float(act.alpha) if gated else 1.0, float(act.beta) if gated else 0.0, float(limit),
+        K=k_in,
+        A_ROW_DIV=a_row_div,
+        GATED=gated,
+        GATE_STRIDE=2 if interleaved else 1,
+        HAS_LIMIT=gated and act.limit is not None,
+        W_MXFP4=quantized,
+        HAS_BIAS=bias is not None,
+        ROUTE_WEIGHT=route_weights is not None,
+        AQ=mx.FMT_CODES[aq.fmt],
+        AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
+        IEEE=a.dtype == torch.float32,
+        PTX_UNPACK=quantized and mx.ptx_unpack(a.dtype, a.device),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tuple[int, int, int, int]:
+    T, H = x.shape
+    inter = weights.w2.shape[2] * (2 if weights.quantized else 1)
+    return T, H, topk_ids.shape[1], inter
+
+
+def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg) -> torch.Tensor:
+    T, H = x.shape
+    num_pairs = routing.num_pairs
+    y = torch.empty(num_pairs, H, dtype=torch.float32, device=x.device)
+    _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, H, inter.shape[1],
+          cfg, block_n=cfg.block_n2, route_weights=topk_weights.reshape(-1))
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(H))
+    _sum_slots[(T, triton.cdiv(H, block_h))](
+        y, topk_ids.reshape(-1), out, H, weights.num_experts, out.stride(0),
+        TOPK=topk_ids.shape[1], BLOCK_H=block_h,
+    )
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: MoEWeights,
+    act: GatedActivation,
+    aq: ActivationQuant,
+) -> torch.Tensor:
+    """``mxfx.moe`` on validated arguments: routing prep, GEMM1+activation, GEMM2, k-sum.
+
+    Shapes as :func:`mxfx.backends.emulation.moe`; returns ``[T, H]`` in ``x.dtype``.
+    Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[T*k, H]`` float32, and under
+    activation quantization the quantize-dequantized ``x``.
+    """
+    T, H, k, inter_size = _sizes(x, topk_ids, weights)
+    if aq.fmt != "none" and (H % 32 or inter_size % 32):
+        raise ValueError(
+            f"activation_quant: {aq.fmt!r} needs H and I multiples of 32, got H={H}, I={inter_size}"
+        )
+    if T == 0:
+        return torch.empty(0, H, dtype=x.dtype, device=x.device)
+    cfg = pick_config(T * k, weights.num_experts)
+    routing = align(topk_ids, weights.num_experts, cfg.block_m)
+    # Activation quantization, as the emulation does it: x once here (a [T, H] temporary),
+    # the intermediate in GEMM1's epilogue.
+    x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
+    inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
+    _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, inter_size,
+          H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
+    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
+
+
+def unfused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: MoEWeights,
+    act: GatedActivation,
+    gated_activation: Callable[[torch.Tensor, GatedActivation], torch.Tensor],
+) -> torch.Tensor:
+    """Grouped GEMM1 (+bias, ``[T*k, 2I]`` in x.dtype) → ``gated_activation`` → GEMM2 → k-sum.
+
+    No activation quantization. Rows of unrouted slots are left unwritten and never read.
+    """
+    T, H, k, inter_size = _sizes(x, topk_ids, weights)
+    if T == 0:
+        return torch.empty(0, H, dtype=x.dtype, device=x.device)
+    cfg = pick_config(T * k, weights.num_experts)
+    routing = align(topk_ids, weights.num_experts, cfg.block_m)
+    pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
+    _gemm(x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, pre, 2 * inter_size, H,
+          cfg, block_n=2 * cfg.block_n1)
+    inter = gated_activation(pre, act)
+    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)

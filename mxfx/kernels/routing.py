@@ -1,0 +1,143 @@
+"""Routing preparation on the GPU: group the (token, slot) pairs by expert.
+
+For ``topk_ids [T, k]`` and a kernel block of ``block_m`` rows, two small kernels compute
+
+- ``sorted_pairs [max_blocks * block_m] int32``: the flat pair indices ``t*k + j``, grouped by
+  expert (experts in increasing order, pairs in increasing order inside an expert: the
+  result is deterministic), each expert's run starting at a multiple of ``block_m``; slots
+  with id < 0 (or >= E) appear nowhere; the padding after a run is left unwritten;
+- ``block_expert [max_blocks] int32``: the expert of each block of ``block_m`` rows, -1 for
+  blocks past the last expert's run;
+- ``block_rows [max_blocks] int32``: how many leading rows of each block are pairs (0 past
+  the last run). Kernels read only those rows of ``sorted_pairs``.
+
+``max_blocks`` depends only on ``T``, ``k``, ``E`` and ``block_m``, so the GEMMs' grids are known
+on the host without reading the ids back: no host synchronisation, CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class Routing(NamedTuple):
+    sorted_pairs: torch.Tensor  # int32 [max_blocks * block_m]
+    block_expert: torch.Tensor  # int32 [max_blocks]
+    block_rows: torch.Tensor  # int32 [max_blocks]
+    block_m: int
+    num_pairs: int  # T*k
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the blocks of ``block_m`` rows any routing of ``num_pairs`` pairs needs."""
+    # Each non-empty expert pads by at most block_m - 1 rows.
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """counts[c, e]: how many of chunk c's pairs go to expert e."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    hit = (ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]
+    tl.store(counts_ptr + c * E_POW2 + experts, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_pairs,
+    num_experts,
+    num_chunks,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NC_POW2: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+):
+    """Program c places chunk c's pairs and describes its share of the blocks. Every
+    program derives the same expert offsets from all chunks' counts (with ``ONE_CHUNK``
+    it counts its own pairs, and ``_count_kernel`` is not launched)."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    live = experts < num_experts
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    hit = ((ids[:, None] == experts[None, :]) & live[None, :]).to(tl.int32)
+    if ONE_CHUNK:
+        counts = tl.sum(hit, axis=0)
+        before = tl.zeros_like(counts)
+    else:
+        chunks = tl.arange(0, NC_POW2)
+        all_counts = tl.load(counts_ptr + chunks[:, None] * E_POW2 + experts[None, :],
+                             mask=(chunks < num_chunks)[:, None], other=0)
+        counts = tl.sum(all_counts, axis=0)
+        before = tl.sum(tl.where((chunks < c)[:, None], all_counts, 0), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+
+    rank = tl.cumsum(hit, axis=0) - 1  # rank among this chunk's pairs of the same expert
+    pos = tl.sum(hit * (starts + before)[None, :] + hit * rank, axis=1)
+    tl.store(sorted_ptr + pos, offs, mask=tl.sum(hit, axis=1) > 0)
+
+    per_program = tl.cdiv(num_blocks, num_chunks)
+    b0 = c * per_program
+    b_end = tl.minimum(b0 + per_program, num_blocks)
+    # `while`, not `range`: the Triton 3.6 interpreter cannot take a run-time scalar as a
+    # `range` bound under numpy 2.
+    while b0 < b_end:
+        blk = b0 + tl.arange(0, CHUNK)
+        row = (blk * BLOCK_M)[:, None]
+        owner = (starts[None, :] <= row) & (row < ends[None, :])  # one-hot, or none past the end
+        first = tl.sum(tl.where(owner, starts[None, :], 0), axis=1)
+        count = tl.sum(tl.where(owner, counts[None, :], 0), axis=1)
+        expert = tl.sum(tl.where(owner, experts[None, :], 0), axis=1)
+        found = tl.sum(owner.to(tl.int32), axis=1) > 0
+        ok = blk < b_end
+        tl.store(block_expert_ptr + blk, tl.where(found, expert, -1), mask=ok)
+        rows = tl.minimum(count - (blk * BLOCK_M - first), BLOCK_M)
+        tl.store(block_rows_ptr + blk, tl.where(found, rows, 0), mask=ok)
+        b0 += CHUNK
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """Group the pairs of ``topk_ids [T, k]`` (any integer dtype) by expert; see the module doc.
+
+    Per-chunk expert counts, then each chunk places its pairs at its offset (one launch when
+    the pairs fit one chunk).
+    """
+    num_pairs = topk_ids.numel()
+    nb = max_blocks(num_pairs, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
+    if nb > 0:
+        ids = topk_ids.reshape(-1)  # any integer dtype: the kernels compare it as loaded
+        e_pow2 = triton.next_power_of_2(max(num_experts, 2))
+        # A [CHUNK, E] one-hot tile per program: keep it near 16K elements.
+        chunk = max(16, min(1024, 16384 // e_pow2))
+        num_chunks = triton.cdiv(num_pairs, chunk)
+        counts = block_rows  # placeholder pointer: unused with ONE_CHUNK
+        if num_chunks > 1:
+            counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=dev)
+            _count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, E_POW2=e_pow2,
+                                         CHUNK=chunk)
+        _place_kernel[(num_chunks,)](
+            ids, counts, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, num_chunks, nb,
+            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk,
+            NC_POW2=triton.next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1, num_warps=8,
+        )
+    return Routing(sorted_pairs, block_expert, block_rows, block_m, num_pairs)

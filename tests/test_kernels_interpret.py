@@ -1,0 +1,253 @@
+"""The MoE kernels (routing, MX helpers, fused and unfused MoE) against the references.
+
+Runs on the device of the ``kernel_device`` fixture: CPU through ``TRITON_INTERPRET=1`` in CI
+(float16/float32, tiny shapes), CUDA on the GPU box. Weights and activations are views into
+NaN-poisoned buffers, so any read outside a tensor's bounds shows up as NaN in the output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxfx import formats
+from mxfx.activation import GPT_OSS, SILU_AND_MUL, GatedActivation
+from mxfx.backends import emulation
+from mxfx.backends.base import ActivationQuant, MoEWeights
+
+pytest.importorskip("triton")
+from mxfx.kernels import mx, routing  # noqa: E402
+from mxfx.kernels.moe import fused_moe, unfused_moe  # noqa: E402
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _poisoned(t: torch.Tensor, device, pad: int = 3) -> torch.Tensor:
+    """``t`` on ``device`` as a view into a larger buffer whose extra entries along every
+    dimension are NaN (0xFF for uint8): the view has the strides of the big buffer."""
+    big = torch.empty(*(s + pad for s in t.shape), dtype=t.dtype, device=device)
+    big.fill_(255 if t.dtype == torch.uint8 else float("nan"))
+    view = big[tuple(slice(0, s) for s in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def _weights(E, H, I, dtype, quantized, bias, seed, device) -> MoEWeights:
+    g = _gen(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.5).to(dtype) if bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.5).to(dtype) if bias else None
+    if quantized:
+        p13, s13 = formats.quantize(w13, "mxfp4", "round_up")
+        p2, s2 = formats.quantize(w2, "mxfp4", "round_up")
+        parts = (p13, s13, b13, p2, s2, b2)
+    else:
+        parts = (w13.to(dtype), None, b13, w2.to(dtype), None, b2)
+    return MoEWeights(*(None if p is None else _poisoned(p, device) for p in parts))
+
+
+def _routing_case(T, E, k, seed, unrouted=True):
+    g = _gen(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.empty(0, k)
+    ids = ids.to(torch.int32)
+    if unrouted and T:
+        ids[0, 0] = -1
+    tw = torch.rand(T, k, generator=g)
+    return ids, tw
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- MX helpers, bit for bit
+
+
+def test_mxfp4_dequant_every_code_and_scale(kernel_device):
+    packed = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(1, 2)
+    scales = torch.tensor([0, 1, 2, 100, 127, 128, 200, 254, 255, 126, 3, 130, 129, 250, 253, 120],
+                          dtype=torch.uint8)[:, None].repeat(1, 2)
+    for dtype in (torch.float32, torch.float16):
+        out = mx.dequantize_mxfp4(packed.to(kernel_device), scales.to(kernel_device), dtype).cpu()
+        ref = formats.dequantize(packed, scales, "mxfp4", dtype)
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("rounding", ["floor", "round_up", "even"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qdq_bit_exact(kernel_device, fmt, rounding, dtype):
+    g = _gen(7)
+    # Magnitudes from far below to far above every format's range, plus the special blocks.
+    x = torch.randn(24, 96, generator=g) * torch.logspace(-42, 36, 24)[:, None]
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    x[3, :32] = 0.0
+    x[4, 64:] = -0.0
+    x[5, :] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5]).repeat(12)  # E2M1 ties
+    x = x.to(dtype)
+    out = mx.quantize_dequantize(x.to(kernel_device), fmt, rounding).cpu()
+    ref = formats.quantize_dequantize(x, fmt, rounding)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), ref.view(bits))
+
+
+# ---------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize(
+    "T,E,k,block_m",
+    [(1, 4, 2, 16), (9, 4, 4, 16), (7, 1, 1, 16), (9, 3, 2, 4), (40, 5, 3, 8), (2, 130, 3, 16),
+     (60, 130, 3, 16), (300, 200, 2, 4)],  # the last two span several chunks
+)
+def test_routing_groups_pairs_by_expert(kernel_device, T, E, k, block_m):
+    ids, _ = _routing_case(T, E, k, seed=T * 31 + E)
+    r = routing.align(ids.to(kernel_device), E, block_m)
+    again = routing.align(ids.to(kernel_device), E, block_m)
+    nb = routing.max_blocks(T * k, E, block_m)
+    assert r.block_expert.numel() == nb == r.block_rows.numel()
+    assert torch.equal(r.block_expert, again.block_expert)
+    assert torch.equal(r.block_rows, again.block_rows)
+    sorted_pairs, block_expert = r.sorted_pairs.cpu(), r.block_expert.cpu()
+    block_rows = r.block_rows.cpu()
+    flat = ids.reshape(-1)
+    b = 0
+    for e in range(E):
+        pairs = (flat == e).nonzero().squeeze(1).tolist()
+        while pairs:
+            n = min(block_m, len(pairs))
+            assert block_expert[b] == e and block_rows[b] == n
+            assert sorted_pairs[b * block_m: b * block_m + n].tolist() == pairs[:n]
+            assert torch.equal(again.sorted_pairs.cpu()[b * block_m: b * block_m + n],
+                               sorted_pairs[b * block_m: b * block_m + n])
+            pairs = pairs[n:]
+            b += 1
+    assert (block_expert[b:] == -1).all() and (block_rows[b:] == 0).all()
+
+
+def test_routing_all_unrouted_and_one_expert(kernel_device):
+    ids = torch.full((5, 2), -1, dtype=torch.int32)
+    r = routing.align(ids.to(kernel_device), 3, 16)
+    assert (r.block_expert.cpu() == -1).all() and (r.block_rows.cpu() == 0).all()
+    ids = torch.full((20, 1), 2, dtype=torch.int64)
+    r = routing.align(ids.to(kernel_device), 3, 16)
+    assert r.block_expert.cpu()[:2].tolist() == [2, 2] and (r.block_expert.cpu()[2:] == -1).all()
+    assert r.block_rows.cpu()[:2].tolist() == [16, 4]
+    assert r.sorted_pairs.cpu()[:20].tolist() == list(range(20))
+
+
+# ---------------------------------------------------------------- the MoE
+
+
+CASES = [
+    # T, E, H, I, k, quantized, act, bias, dtype
+    (5, 4, 64, 96, 2, True, GPT_OSS, True, torch.float32),
+    (9, 3, 96, 32, 3, True, SILU_AND_MUL, False, torch.float16),
+    (1, 1, 32, 64, 1, True, GatedActivation("halves", 1.3, 0.5, 2.0), True, torch.float32),
+    (7, 4, 40, 24, 4, False, GPT_OSS, True, torch.float32),  # k = E, H and I not multiples of 32
+    (6, 2, 72, 36, 2, False, GatedActivation("interleaved", 0.8, -0.5, 1.5), False, torch.float16),
+    (0, 4, 64, 32, 2, True, GPT_OSS, True, torch.float32),
+]
+
+
+def _run_case(fn, case, device, aq=ActivationQuant(), seed=0):
+    T, E, H, I, k, quantized, act, bias, dtype = case
+    W = _weights(E, H, I, dtype, quantized, bias, seed, device)
+    ids, tw = _routing_case(T, E, k, seed + 1)
+    x = (torch.randn(T, H, generator=_gen(seed + 2))).to(dtype)
+    out = fn(_poisoned(x, device), tw.to(dtype).to(device), ids.to(device), W, act, aq)
+    cpu_w = MoEWeights(*(None if t is None else t.cpu() for t in W.__dict__.values()))
+    ref_x = x.double() if dtype == torch.float32 else x
+    ref = emulation.moe(ref_x, tw.to(dtype), ids, cpu_w, act, aq)
+    assert out.shape == (T, H) and out.dtype == dtype
+    return out.cpu(), ref
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}E{c[1]}H{c[2]}I{c[3]}k{c[4]}")
+def test_fused_matches_emulation(kernel_device, case):
+    out, ref = _run_case(fused_moe, case, kernel_device)
+    assert not out.isnan().any()
+    if case[0]:
+        tol = 1e-5 if case[-1] == torch.float32 else 3e-3
+        assert _rel_err(out, ref) <= tol
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4]], ids=["mxfp4", "fp16", "float"])
+def test_unfused_matches_emulation(kernel_device, case):
+    pytest.importorskip("mxfx.kernels.activation")
+    from mxfx.kernels.activation import gated_activation
+
+    out, ref = _run_case(lambda *a: unfused_moe(*a[:5], gated_activation), case, kernel_device)
+    assert not out.isnan().any()
+    tol = 1e-5 if case[-1] == torch.float32 else 3e-3
+    assert _rel_err(out, ref) <= tol
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_fused_executes_activation_quant(kernel_device, fmt):
+    case = (9, 4, 64, 96, 2, True, GPT_OSS, True, torch.float32)
+    aq = ActivationQuant(fmt, "even")
+    out, ref = _run_case(fused_moe, case, kernel_device, aq=aq, seed=3)
+    _, ref_a16 = _run_case(fused_moe, case, kernel_device, seed=3)
+    # Equal to the emulation of this quantization up to accumulation order, and far from
+    # what unquantized activations would give.
+    assert _rel_err(out, ref) <= 1e-5
+    assert _rel_err(ref_a16, ref) > 1e-3
+
+
+def test_fused_rejects_act_quant_on_unaligned_sizes(kernel_device):
+    W = _weights(2, 40, 24, torch.float32, False, False, 0, kernel_device)
+    x = torch.randn(3, 40, device=kernel_device)
+    ids = torch.zeros(3, 1, dtype=torch.int32, device=kernel_device)
+    with pytest.raises(ValueError, match="activation_quant"):
+        fused_moe(x, torch.ones(3, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant("mxfp8"))
+
+
+def test_backends_declare_and_run(kernel_device):
+    from mxfx.backends.triton import BACKEND as fused
+    from mxfx.backends.triton_unfused import BACKEND as unfused
+
+    assert fused.name == "triton" and unfused.name == "triton_unfused"
+    assert unfused.capabilities.activation_quant == frozenset({"none"})
+    for b in (fused, unfused):
+        assert b.capabilities.platforms == frozenset({"cuda", "rocm"})
+        assert b.capabilities.weight_quant == frozenset({"float", "mxfp4"})
+    case = CASES[0]
+    for b in (fused, unfused):
+        out, ref = _run_case(b.run, case, kernel_device)
+        assert _rel_err(out, ref) <= 1e-5
+    W = _weights(2, 32, 32, torch.float32, True, False, 0, kernel_device)
+    x = torch.randn(2, 32, device=kernel_device)
+    ids = torch.zeros(2, 1, dtype=torch.int32, device=kernel_device)
+    with pytest.raises(ValueError, match="activation_quant"):
+        unfused.run(x, torch.ones(2, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant("mxfp4"))
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_fused_other_tiles(kernel_device, monkeypatch, block_m):
+    from mxfx.kernels import moe
+
+    cfg = moe.GemmConfig(block_m, 32, 32, 64, 4, 2)
+    monkeypatch.setattr(moe, "pick_config", lambda *a: cfg)
+    for case in (CASES[0], CASES[4]):
+        out, ref = _run_case(fused_moe, case, kernel_device, seed=11)
+        assert _rel_err(out, ref) <= (1e-5 if case[-1] == torch.float32 else 3e-3)
+
+
+def test_fused_backend_refuses_act_quant_on_unaligned_config():
+    from mxfx.backends.triton import BACKEND as fused
+    from mxfx.oracle import MoEConfig
+
+    ok = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=2880, top_k=2,
+                   activation_quant="mxfp8")
+    shard = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=360, top_k=2,
+                      activation_quant="mxfp4")
+    assert fused.extra_check(ok, None) is None
+    assert "multiples of 32" in fused.extra_check(shard, None)
+    a16 = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=360, top_k=2,
+                    weight_quant="float")
+    assert fused.extra_check(a16, None) is None
