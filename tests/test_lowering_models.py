@@ -1,0 +1,406 @@
+"""The lowering on real clients: tiny transformers models and hand-written MoE forms, compiled
+with mxfx enabled. Each must give eager's output, hold one ``mxfx.moe`` per MoE layer and no
+expert matmul (grouped, batched or gathered) any more."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import mxfx
+from mxfx import lowering
+
+H, I, E, K = 64, 32, 4, 2
+
+
+def compiled(model, *args, dynamic_dim=None):
+    """(eager output, compiled output, generated code) with mxfx enabled; the report is cleared
+    first and the FX graph cache is off, so the pass runs and reports."""
+    torch._dynamo.reset()
+    lowering.clear()
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        ref = model(*args)
+        if dynamic_dim is not None:
+            torch._dynamo.mark_dynamic(args[0], dynamic_dim)
+        with mxfx.enabled():
+            out, code = run_and_get_code(torch.compile(model), *args)
+    return ref, out, "\n".join(code)
+
+
+def first(out):
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, tuple) else out
+
+
+def rel_err(out, ref) -> float:
+    out, ref = first(out).double(), first(ref).double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def moe_calls(code: str) -> int:
+    return code.count("= torch.ops.mxfx.moe.default(")
+
+
+def assert_rewritten(code: str, layers: int, form: str, whole_model: bool = False) -> None:
+    """``layers`` mxfx.moe calls on the emulation backend (the CPU's), no grouped matmul, and
+    for a MoE block (no attention, whose bmm stays) no bmm at all."""
+    assert moe_calls(code) == layers
+    assert "grouped_mm" not in code
+    if not whole_model:
+        assert "bmm" not in code
+    moe_records = [r for r in lowering.report() if r.form == form]
+    assert len(moe_records) == layers and all(r.rewritten and r.backend == "emulation" for r in moe_records)
+
+
+def randomize(model: nn.Module, std: float = 0.2) -> nn.Module:
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=std)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def gpt_oss(layers: int = 2, impl: str = "grouped_mm"):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        vocab_size=128, layer_types=["sliding_attention", "full_attention"][:layers],
+        sliding_window=16, experts_implementation=impl,
+    )
+    return randomize(GptOssForCausalLM(cfg))
+
+
+def qwen3_moe(impl: str = "grouped_mm"):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, intermediate_size=I, num_experts=E,
+        num_experts_per_tok=K, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=128, experts_implementation=impl,
+    )
+    return randomize(Qwen3MoeForCausalLM(cfg))
+
+
+def mixtral(impl: str = "grouped_mm"):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        vocab_size=128, experts_implementation=impl,
+    )
+    return randomize(MixtralForCausalLM(cfg))
+
+
+def tokens(n: int = 9) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+def test_gpt_oss_two_layers_grouped_mm():
+    ref, out, code = compiled(gpt_oss(2), tokens())
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=2, form="grouped_mm", whole_model=True)
+
+
+def test_qwen3_moe_grouped_mm():
+    ref, out, code = compiled(qwen3_moe(), tokens())
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form="grouped_mm", whole_model=True)
+
+
+def test_mixtral_grouped_mm_bf16():
+    # bf16 takes aten._grouped_mm (fp32 takes transformers' grouped_mm_fallback op).
+    ref, out, code = compiled(mixtral().to(torch.bfloat16), tokens())
+    assert rel_err(out, ref) < 1e-2
+    assert_rewritten(code, layers=1, form="grouped_mm", whole_model=True)
+
+
+# ----------------------------------------------------------------------------- experts blocks
+
+
+def gpt_oss_block(impl: str, dtype=torch.float32):
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E,
+                       num_experts_per_tok=K, experts_implementation=impl)
+    return randomize(GptOssMLP(cfg)).to(dtype)
+
+
+def qwen_block(impl: str, dtype=torch.float32):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                         num_experts_per_tok=K, experts_implementation=impl)
+    return randomize(Qwen3MoeSparseMoeBlock(cfg)).to(dtype)
+
+
+def hidden(t: int = 7, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(1, t, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+
+@pytest.mark.parametrize("block", [gpt_oss_block, qwen_block])
+def test_batched_mm_experts(block):
+    ref, out, code = compiled(block("batched_mm"), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form="batched_mm")
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_expert_parallel_sentinel_ids(impl):
+    """Ids >= E (slots owned by another rank): grouped_mm drops them, batched_mm clamps them;
+    the rewritten layer does the same."""
+    experts = gpt_oss_block(impl).experts
+    x = hidden(6)[0]
+    ids = torch.tensor([[0, E], [1, 2], [E, 3], [2, 0], [3, 1], [E, E]])
+    weights = torch.rand(6, K, generator=torch.Generator().manual_seed(3))
+    ref, out, code = compiled(experts, x, ids, weights)
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form=impl)
+
+
+def quantize_experts(block: nn.Module, transposed: bool) -> nn.Module:
+    """mxfx.nn's MXFP4 storage: the experts read their weights through ``dequantize_mx``."""
+    from mxfx.nn.experts import to_mxfp4
+
+    ex = block.experts
+    packed = []
+    for w in (ex.gate_up_proj.detach(), ex.down_proj.detach()):
+        w = w.transpose(1, 2) if transposed else w
+        packed += torch.ops.mxfx.quantize_mx(w.contiguous(), "mxfp4", "round_up")
+    to_mxfp4(ex, *packed)
+    return block
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_mxfp4_experts_use_the_packed_weights(impl):
+    block = quantize_experts(gpt_oss_block(impl, torch.bfloat16), transposed=True)
+    ref, out, code = compiled(block, hidden(dtype=torch.bfloat16))
+    assert rel_err(out, ref) < 1e-2
+    assert_rewritten(code, layers=1, form=impl)
+    assert "dequantize_mx" not in code  # no float copy of the weights is made
+    assert "W=mxfp4" in next(r.detail for r in lowering.report() if r.form == impl)
+
+
+def test_activation_quantized_experts_get_their_backend_at_compile_time():
+    """mxfx.nn's W4A8 experts call mxfx.moe(backend="auto") themselves; the pass pins it."""
+    block = gpt_oss_block("grouped_mm")
+    ex = block.experts
+    packed = []
+    for w in (ex.gate_up_proj.detach(), ex.down_proj.detach()):
+        packed += torch.ops.mxfx.quantize_mx(w.transpose(1, 2).contiguous(), "mxfp4", "round_up")
+    from mxfx.nn.experts import to_mxfp4
+
+    to_mxfp4(ex, *packed, activation_quant="mxfp8")
+    ex.mxfx_activation = mxfx.activation.GPT_OSS
+    ref, out, code = compiled(block, hidden())
+    assert rel_err(out, ref) < 1e-5
+    (call,) = [line for line in code.splitlines() if "= torch.ops.mxfx.moe.default(" in line]
+    assert "'mxfp8'" in call and "'emulation'" in call and "'auto'" not in call
+    (pinned,) = [r for r in lowering.report() if r.form == "pinned"]
+    assert pinned.rewritten and pinned.backend == "emulation"
+
+
+def test_dynamic_tokens_do_not_recompile():
+    from torch._dynamo.utils import counters
+
+    block = qwen_block("grouped_mm")
+    torch._dynamo.reset()
+    counters.clear()
+    # T=1 is left out: dynamo specialises sizes 0 and 1 by design.
+    xs = [hidden(t) for t in (5, 3, 11, 64)]
+    torch._dynamo.mark_dynamic(xs[0], 1)
+    with torch.no_grad(), mxfx.enabled(), torch._inductor.config.patch(fx_graph_cache=False):
+        fn = torch.compile(block)
+        for x in xs:
+            assert rel_err(fn(x), block(x)) < 1e-5
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len([r for r in lowering.report() if r.form == "grouped_mm" and r.rewritten]) >= 1
+
+
+def test_second_compile_hits_the_fx_graph_cache():
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    block, x = qwen_block("grouped_mm"), hidden()
+    with torch.no_grad(), fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), mxfx.enabled():
+        counters.clear()
+        for _ in range(2):
+            torch._dynamo.reset()
+            _, code = run_and_get_code(torch.compile(block), x)
+            assert moe_calls("\n".join(code)) == 1
+        assert rel_err(torch.compile(block)(x), block(x)) < 1e-5
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1
+
+
+# ----------------------------------------------------------------------------- written here
+
+
+class DenseBmmExperts(nn.Module):
+    """transformers 4.x ``GptOssExperts`` training path: every token through every expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
+        self.down_proj = nn.Parameter(torch.empty(E, I, H))
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H))
+        self.alpha, self.limit = 1.702, 7.0
+
+    def forward(self, hidden_states, routing_weights):
+        batch_size = hidden_states.shape[0]
+        hidden_states = hidden_states.reshape(-1, H)
+        num_experts = routing_weights.shape[1]
+        hidden_states = hidden_states.repeat(num_experts, 1).view(num_experts, -1, H)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj) + self.gate_up_proj_bias[..., None, :]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        next_states = torch.bmm(((up + 1) * glu), self.down_proj)
+        next_states = next_states + self.down_proj_bias[..., None, :]
+        next_states = next_states.view(num_experts, batch_size, -1, H)
+        next_states = next_states * routing_weights.transpose(0, 1).view(num_experts, batch_size, -1)[..., None]
+        return next_states.sum(dim=0)
+
+
+class DenseMoE(nn.Module):
+    def __init__(self, top_k: int = K):
+        super().__init__()
+        self.router = nn.Linear(H, E)
+        self.experts = DenseBmmExperts()
+        self.top_k = top_k
+
+    def forward(self, x):
+        logits = self.router(x.reshape(-1, H))
+        if self.top_k == E:  # dense routing: every expert, softmax weights
+            return self.experts(x, F.softmax(logits, dim=-1))
+        top_v, top_i = torch.topk(logits, self.top_k, dim=-1)
+        top_v = F.softmax(top_v, dim=1, dtype=top_v.dtype)
+        return self.experts(x, torch.zeros_like(logits).scatter_(1, top_i, top_v))
+
+
+class GptFastMoE(nn.Module):
+    """gpt-fast's ``MOEFeedForward``: per-token weight gathers, einsums, separate w1/w3."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, I, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, I))
+        self.w3 = nn.Parameter(torch.empty(E, I, H))
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        expert_weights = F.softmax(self.gate(x), dim=-1)
+        expert_weights, expert_indices = torch.topk(expert_weights, K, dim=-1)
+        expert_weights /= expert_weights.sum(dim=-1, keepdim=True)
+        w1, w3, w2 = self.w1[expert_indices], self.w3[expert_indices], self.w2[expert_indices]
+        x1 = F.silu(torch.einsum("ti,taoi -> tao", x, w1))
+        x3 = torch.einsum("ti, taoi -> tao", x, w3)
+        expert_outs = torch.einsum("tao, taio -> tai", (x1 * x3), w2)
+        return torch.einsum("tai,ta -> ti", expert_outs, expert_weights)
+
+
+@pytest.mark.parametrize("top_k", [K, E])
+def test_dense_bmm_moe(top_k):
+    ref, out, code = compiled(randomize(DenseMoE(top_k)), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form="dense_bmm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_fast_moe(dtype):
+    x = hidden(dtype=dtype)
+    ref, out, code = compiled(randomize(GptFastMoE()).to(dtype), x, dynamic_dim=1)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert_rewritten(code, layers=1, form="gather_einsum")
+
+
+@pytest.mark.parametrize(
+    "build, form",
+    [
+        (lambda: qwen_block("grouped_mm"), "grouped_mm"),
+        (lambda: qwen_block("batched_mm"), "batched_mm"),
+        (lambda: randomize(DenseMoE()), "dense_bmm"),
+        (lambda: randomize(GptFastMoE()), "gather_einsum"),
+    ],
+    ids=["grouped_mm", "batched_mm", "dense_bmm", "gather_einsum"],
+)
+def test_one_token_decode(build, form):
+    """T=1 (static, as in decoding): size-1 token axes vanish from Inductor's views."""
+    ref, out, code = compiled(build(), hidden(1))
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form=form)
+
+
+# ----------------------------------------------------------------------------- activation QDQ
+
+
+def qdq(t, fmt):
+    return torch.ops.mxfx.dequantize_mx(*torch.ops.mxfx.quantize_mx(t, fmt, "even"), fmt, t.dtype)
+
+
+class QuantizedActivationMoE(nn.Module):
+    """A W4A4/W4A8-style experts block written as a model would: each expert GEMM input is
+    quantize-dequantized (the tokens entering the experts, the activation before ``w2``)."""
+
+    def __init__(self, fmt_in, fmt_mid):
+        super().__init__()
+        self.block = qwen_block("grouped_mm")
+        experts = self.block.experts
+        apply_gate, forward = type(experts)._apply_gate, experts.forward
+
+        def quantized_apply_gate(gate_up):
+            h = apply_gate(experts, gate_up)
+            return qdq(h, fmt_mid) if fmt_mid else h
+
+        def quantized_forward(hidden_states, *args):
+            return forward(qdq(hidden_states, fmt_in) if fmt_in else hidden_states, *args)
+
+        experts._apply_gate = quantized_apply_gate
+        experts.forward = quantized_forward
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_activation_quantization_is_recognised():
+    ref, out, code = compiled(QuantizedActivationMoE("mxfp8", "mxfp8"), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form="grouped_mm")
+    assert "'mxfp8', 'emulation', 'even'" in code
+    assert "quantize_mx" not in code
+
+
+@pytest.mark.parametrize("fmts", [("mxfp8", None), ("mxfp8", "mxfp4")])
+def test_mismatched_activation_quantization_is_left_alone(fmts):
+    ref, out, code = compiled(QuantizedActivationMoE(*fmts), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert moe_calls(code) == 0
+    (skip,) = [r for r in lowering.report() if r.form == "grouped_mm"]
+    assert not skip.rewritten and "quantized differently" in skip.reason
+
+
+def test_no_backend_leaves_the_layer_and_says_why(monkeypatch):
+    from mxfx.lowering import moe
+    from mxfx.oracle import NoBackendError
+
+    def refuse(config, platform):
+        raise NoBackendError(config, platform, "auto", "auto", [("emulation", "simulated refusal")])
+
+    monkeypatch.setattr(moe, "select", refuse)
+    ref, out, code = compiled(qwen_block("grouped_mm"), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert moe_calls(code) == 0 and "grouped_mm" in code
+    (skip,) = [r for r in lowering.report() if r.form == "grouped_mm"]
+    assert not skip.rewritten and "simulated refusal" in skip.reason

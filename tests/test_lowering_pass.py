@@ -1,0 +1,323 @@
+"""The lowering pass itself: gated-activation spellings, look-alikes left alone, the rewritten
+graph (expect tests over a rendering free of node names), installing the pass, its uuid and
+the FX graph cache."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch import nn
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import mxfx
+from mxfx import lowering
+from mxfx.lowering import ComposedPass
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _describe(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        v = a.meta.get("val")
+        if a.op == "placeholder":
+            name = "input"
+        elif a.target is operator.getitem:
+            name = f"{_op(a.args[0])}[{a.args[1]}]"
+        else:
+            name = _op(a)
+        return f"{name}: {_tensor(v)}" if isinstance(v, torch.Tensor) else name
+    if isinstance(a, float):
+        return f"{a:g}"
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_describe(x) for x in a) + "]"
+    return repr(a)
+
+
+def _op(n: torch.fx.Node) -> str:
+    t = getattr(n.target, "overloadpacket", n.target)
+    qualified = getattr(t, "_qualified_op_name", None)
+    return qualified.replace("::", ".") if qualified else getattr(t, "__name__", str(t))
+
+
+def _tensor(v: torch.Tensor) -> str:
+    dims = ", ".join(str(d) if isinstance(d, int) else "s" for d in v.shape)
+    return f"{str(v.dtype).removeprefix('torch.')}[{dims}]"
+
+
+def render(graph: torch.fx.Graph) -> str:
+    """The mxfx calls of ``graph``, their arguments described by op and shape (no node names)."""
+    lines = []
+    for n in graph.nodes:
+        if n.op == "call_function" and _op(n).startswith("mxfx."):
+            args = ", ".join(_describe(a) for a in n.args)
+            lines.append(f"{_op(n)}({args}) -> {_tensor(n.meta['val'])}")
+    return "\n".join(lines)
+
+
+class Capture(CustomGraphPass):
+    """Keeps the graph it sees (run after the mxfx pass)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph):
+        self.graphs.append(graph)
+
+    def uuid(self):
+        return None
+
+
+def lowered(fn, *args, dynamic_dim=None) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(rendering of the rewritten graph, compiled output, eager output)."""
+    torch._dynamo.reset()
+    capture = Capture()
+    if dynamic_dim is not None:
+        torch._dynamo.mark_dynamic(args[0], dynamic_dim)
+    with inductor_config.patch(
+        post_grad_custom_post_pass=ComposedPass(lowering.PASS, capture), fx_graph_cache=False
+    ):
+        out = torch.compile(fn)(*args)
+    (graph,) = capture.graphs
+    return render(graph), out, fn(*args)
+
+
+def probe(rows: int = 8, width: int = 64, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(rows, width, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+
+
+def close(out, ref) -> bool:
+    tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+    return bool(((out.double() - ref.double()).norm() <= tol * ref.double().norm()).item())
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def gpt_oss_glu(x):  # transformers GptOssExperts._apply_gate
+    gate, up = x[..., ::2], x[..., 1::2]
+    gate = gate.clamp(min=None, max=7.0)
+    up = up.clamp(min=-7.0, max=7.0)
+    glu = gate * torch.sigmoid(gate * 1.702)
+    return (up + 1) * glu
+
+
+def silu_and_mul(x):  # transformers default _apply_gate with act_fn=silu
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def minimax_uninterleave(x):  # gpt-oss formula on halves, written with clamp_min/clamp_max
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d].clamp_max(7.0), x[..., d:].clamp_min(-7.0).clamp_max(7.0)
+    return gate * torch.sigmoid(1.702 * gate) * (up + 1.0)
+
+
+def custom_constants(x):  # any alpha, beta, limit: read off the expression and confirmed
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = torch.clamp(gate, max=5.0), torch.clamp(up, min=-5.0, max=5.0)
+    return gate * torch.sigmoid(gate * 1.25) * (up + 0.5)
+
+
+def swiglu_limit_fp32(x):  # upcast to fp32, compute, cast back
+    gate, up = x.float().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    return (gate * torch.sigmoid(gate) * up).to(x.dtype)
+
+
+def test_gpt_oss_activation_expect():
+    text, out, ref = lowered(gpt_oss_glu, probe())
+    assert close(out, ref)
+    assert_expected_inline(
+        text,
+        """mxfx.gated_activation(input: float32[8, 64], 'interleaved', 1.702, 1, 7) -> float32[8, 32]""",
+    )
+
+
+def test_silu_and_mul_bf16_dynamic_expect():
+    text, out, ref = lowered(silu_and_mul, probe(dtype=torch.bfloat16), dynamic_dim=0)
+    assert close(out, ref)
+    assert_expected_inline(
+        text,
+        """mxfx.gated_activation(input: bfloat16[s, 64], 'halves', 1, 0, None) -> bfloat16[s, 32]""",
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "fn, params",
+    [
+        (gpt_oss_glu, ("interleaved", 1.702, 1.0, 7.0)),
+        (silu_and_mul, ("halves", 1.0, 0.0, None)),
+        (minimax_uninterleave, ("halves", 1.702, 1.0, 7.0)),
+        (swiglu_limit_fp32, ("halves", 1.0, 0.0, 7.0)),
+        (custom_constants, ("halves", 1.25, 0.5, 5.0)),
+    ],
+    ids=["gpt_oss", "silu_and_mul", "minimax_m3", "swiglu_limit", "custom"],
+)
+def test_activation_spellings(fn, params, dtype):
+    text, out, ref = lowered(fn, probe(dtype=dtype).unsqueeze(0))
+    assert close(out, ref)
+    layout, alpha, beta, limit = params
+    limit = "None" if limit is None else f"{limit:g}"
+    assert f"'{layout}', {alpha:g}, {beta:g}, {limit})" in text
+    assert text.count("mxfx.gated_activation") == 1
+
+
+# ----------------------------------------------------------------------------- look-alikes
+
+
+def plain_bmm(a, b):
+    return torch.bmm(a, b) * torch.sigmoid(torch.bmm(a, b))
+
+
+def silu_whole(x):  # x * sigmoid(x): no gate/up split
+    return x * torch.sigmoid(x)
+
+
+def gate_on_odd(x):  # gate read from the odd columns: not a layout mxfx has
+    gate, up = x[..., 1::2], x[..., ::2]
+    return F.silu(gate) * up
+
+
+def product_without_sigmoid(x):
+    gate, up = x.chunk(2, dim=-1)
+    return gate.clamp(max=7.0) * up
+
+
+def wrong_clamp(x):  # up clamped to a different bound than the gate: not the formula
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=7.0), up.clamp(-3.0, 3.0)
+    return gate * torch.sigmoid(gate) * up
+
+
+@pytest.mark.parametrize("fn", [silu_whole, gate_on_odd, product_without_sigmoid, wrong_clamp])
+def test_look_alike_activations_stay(fn):
+    text, out, ref = lowered(fn, probe())
+    assert close(out, ref)
+    assert text == ""
+
+
+def test_plain_bmm_stays():
+    a = torch.randn(4, 8, 16)
+    b = torch.randn(4, 16, 8)
+    text, out, ref = lowered(plain_bmm, a, b)
+    assert close(out, ref) and text == ""
+
+
+# ----------------------------------------------------------------------------- MoE expect
+
+
+class GatherEinsumMoE(nn.Module):
+    """gpt-fast's experts with routing given: per-token gathers, einsums, separate w1/w3."""
+
+    def __init__(self, e=4, h=64, i=32):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(e, i, h, generator=g) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(e, h, i, generator=g) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(e, i, h, generator=g) * 0.1)
+
+    def forward(self, x, weights, ids):
+        x1 = F.silu(torch.einsum("ti,taoi -> tao", x, self.w1[ids]))
+        x3 = torch.einsum("ti, taoi -> tao", x, self.w3[ids])
+        y = torch.einsum("tao, taio -> tai", (x1 * x3), self.w2[ids])
+        return torch.einsum("tai,ta -> ti", y, weights)
+
+
+def test_gather_einsum_moe_expect():
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[0, 1], [2, 3], [3, 0], [1, 1], [2, 0]])
+    with torch.no_grad():
+        text, out, ref = lowered(GatherEinsumMoE(), x, weights, ids)
+    assert close(out, ref)
+    assert_expected_inline(
+        text,
+        """mxfx.moe(input: float32[5, 64], input: float32[5, 2], input: int64[5, 2], aten.cat: float32[4, 64, 64], None, None, input: float32[4, 64, 32], None, None, 'halves', 1, 0, None, 'none', 'emulation', 'even') -> float32[5, 64]""",
+    )
+
+
+def test_grouped_mm_experts_expect():
+    """transformers' default experts (routing given): ids >= E are dropped, as transformers does."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, experts_implementation="grouped_mm")
+    experts = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(std=0.2, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+        ids = torch.tensor([[0, 1], [2, 3], [3, 0], [1, 1], [2, 0]])
+        text, out, ref = lowered(experts, x, ids, torch.rand(5, 2))
+    assert close(out, ref)
+    assert_expected_inline(
+        text,
+        """\
+mxfx.moe(input: float32[5, 64], input: float32[5, 2], aten.where: int64[5, 2], input: float32[4, 64, 64], None, None, input: float32[4, 64, 32], None, None, 'halves', 1, 0, None, 'none', 'emulation', 'even') -> float32[5, 64]""",
+    )
+
+
+# ----------------------------------------------------------------------------- installing
+
+
+@inductor_config.patch(post_grad_custom_post_pass=None)
+def test_enable_disable_and_scoped():
+    mxfx.enable()
+    mxfx.enable()
+    assert inductor_config.post_grad_custom_post_pass is lowering.PASS
+    mxfx.disable()
+    assert inductor_config.post_grad_custom_post_pass is None
+    with mxfx.enabled():
+        assert inductor_config.post_grad_custom_post_pass is lowering.PASS
+    assert inductor_config.post_grad_custom_post_pass is None
+
+
+def test_composes_with_a_users_pass():
+    mine = Capture()
+    with inductor_config.patch(post_grad_custom_post_pass=mine):
+        with mxfx.enabled():
+            installed = inductor_config.post_grad_custom_post_pass
+            assert isinstance(installed, ComposedPass) and installed.passes == (mine, lowering.PASS)
+        assert inductor_config.post_grad_custom_post_pass is mine
+        mxfx.enable()
+        mxfx.disable()
+        assert inductor_config.post_grad_custom_post_pass is mine
+        options = mxfx.inductor_options()
+        assert options["post_grad_custom_post_pass"].passes == (mine, lowering.PASS)
+        assert inductor_config.post_grad_custom_post_pass is mine
+        torch._dynamo.reset()
+        out = torch.compile(silu_and_mul, options=options)(probe())
+    assert close(out, silu_and_mul(probe()))
+    assert len(mine.graphs) == 1  # the user's pass ran, on the graph mxfx then rewrote
+    assert "mxfx.gated_activation" in render(mine.graphs[0])
+
+
+def test_uuid_follows_the_settings():
+    base = lowering.PASS.uuid()
+    assert base == lowering.PASS.uuid()
+    try:
+        mxfx.configure(moe_backend="emulation")
+        assert lowering.PASS.uuid() != base
+    finally:
+        mxfx.configure()
+    assert lowering.PASS.uuid() == base
+    assert ComposedPass(Capture(), lowering.PASS).uuid() is None  # a pass without uuid: no caching
+
+
+def test_uuid_follows_the_source(tmp_path, monkeypatch):
+    from mxfx.lowering import pass_
+
+    src = tmp_path / "rule.py"
+    src.write_text("A = 1\n")
+    monkeypatch.setattr(pass_, "_source_files", lambda: (str(src),))
+    first = lowering.PASS.uuid()
+    src.write_text("A = 2\n")
+    assert lowering.PASS.uuid() != first
+    monkeypatch.undo()
+    assert any(f.endswith("lowering/moe_grouped_mm.py") for f in pass_._source_files())
