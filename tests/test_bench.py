@@ -1,0 +1,93 @@
+"""The MoE benchmark harness (``python -m mxfx bench``) in its CPU smoke mode.
+
+Checks the arithmetic (bytes, FLOPs, roofline, % of roofline) and that a run prints sane
+rows and writes its PNG and PERF_LOG.md where it is told (a tmp dir, never the repo's).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mxfx import bench
+from mxfx.__main__ import main as cli_main
+from mxfx.oracle import MoEConfig
+
+TINY = bench.QUICK_SHAPES["tiny"]  # E=4 H=64 I=96 top-2, biases
+
+
+def test_touched_bytes_counts_distinct_experts_and_activations():
+    ids = torch.tensor([[0, 1], [1, -1], [1, 0]])
+    per_expert = (2 * 96 * 64 + 64 * 96) // 2 + (2 * 96 * 64 + 64 * 96) // 32 + (2 * 96 + 64) * 2
+    assert per_expert == 9216 + 576 + 512
+    assert bench.touched_bytes(TINY, ids) == 2 * per_expert + 2 * 3 * 64 * 2
+    no_bias = MoEConfig(4, 64, 96, 2)
+    assert bench.touched_bytes(no_bias, torch.tensor([[3, 2]])) == 2 * (9216 + 576) + 2 * 64 * 2
+
+
+def test_flops_and_roofline():
+    assert bench.moe_flops(TINY, 3) == 2 * 3 * 2 * (64 * 192 + 96 * 64)
+    c = bench.Ceilings(copy_bytes_per_s=4e12, matmul_flops_per_s=700e12)
+    assert bench.roofline_seconds(8e6, 1e9, c) == pytest.approx(2e-6)  # memory bound
+    assert bench.roofline_seconds(8e3, 7e9, c) == pytest.approx(1e-5)  # compute bound
+
+
+def test_run_rows_are_consistent():
+    models = {"tiny": TINY}
+    ceilings, rows = bench.run(models, [1, 8], ["emulation", bench.BASELINE], ["none", "mxfp8"],
+                               torch.device("cpu"), quick=True, log=lambda s: None)
+    assert ceilings.copy_bytes_per_s > 0 and ceilings.matmul_flops_per_s > 0
+    # the baseline runs only A16; emulation every act quant
+    got = sorted((r.T, r.act_quant, r.backend) for r in rows)
+    assert got == sorted([(T, aq, "emulation") for T in (1, 8) for aq in ("none", "mxfp8")]
+                         + [(T, "none", bench.BASELINE) for T in (1, 8)])
+    for r in rows:
+        assert r.us > 0 and r.mode == "wall" and r.eager_us is None
+        assert r.flops == bench.moe_flops(TINY, r.T)
+        assert 2 * r.T * 64 * 2 < r.bytes <= 4 * (9216 + 576 + 512) + 2 * r.T * 64 * 2
+        roof = bench.roofline_seconds(r.bytes, r.flops, ceilings) * 1e6
+        assert r.roofline_us == pytest.approx(roof)
+        assert r.pct == pytest.approx(100 * roof / r.us)
+        assert r.tbps == pytest.approx(r.bytes / r.us / 1e6)
+        if r.backend == bench.BASELINE:
+            assert r.rel_err is not None and r.rel_err < 2e-2  # bf16 GEMMs vs float32 emulation
+        else:
+            assert r.rel_err is None
+
+
+def test_cli_quick_writes_plot_and_log(tmp_path, capsys):
+    args = ["bench", "--quick", "--T", "1,8", "--act-quant", "none", "--out", str(tmp_path),
+            "--rev", "abc123"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    rows = [line.split() for line in printed.splitlines() if line.startswith("tiny ")]
+    assert len(rows) == 2 * 2 * 2  # (T=1, 8) × (emulation, baseline), once as measured, once in the table
+    for cols in rows:
+        assert len(cols) == 14  # missing values print as "-"
+        us, roof_us, pct = float(cols[4]), float(cols[7]), float(cols[8])
+        assert us > 0 and roof_us > 0
+        assert pct == pytest.approx(100 * roof_us / us, rel=0.02, abs=0.1)
+    png = tmp_path / "bench_moe_quick.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    log = (tmp_path / "PERF_LOG.md").read_text()
+    lines = [ln for ln in log.splitlines() if re.match(r"\| \d{4}-\d\d-\d\d", ln)]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    assert len(lines) == 4 and all(f"| abc123 | {device} | tiny | none |" in ln for ln in lines)
+    assert cli_main(args) == 0  # a second run appends under the same header
+    log = (tmp_path / "PERF_LOG.md").read_text()
+    assert log.count("| date (UTC) |") == 1
+    assert len([ln for ln in log.splitlines() if re.match(r"\| \d{4}-\d\d-\d\d", ln)]) == 8
+
+
+def test_full_run_needs_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: a full run would start")
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path)])
+
+
+def test_rejects_unknown_names(tmp_path):
+    for bad in (["--model", "gpt-5"], ["--backend", "cutlass"], ["--act-quant", "mxfp6"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--quick", "--out", str(tmp_path), *bad])
