@@ -23,6 +23,7 @@ from mxfx.lowering.fx import (
     call,
     dtype,
     is_op,
+    only_user,
     same,
     permute,
     permute_chain,
@@ -130,6 +131,16 @@ class Match:
     qdq_in: QDQ = None
     qdq_mid: QDQ = None
     ids_beyond: Optional[str] = None
+
+
+def slot_sum(node: Node, k: int) -> Optional[Node]:
+    """The ``.sum(1)`` over the k slots that ends a per-pair expert output: ``node`` is a
+    reshape/view to ``[T, k, H]`` whose only user sums dim 1. Returns that sum, else None."""
+    s = shape(node)
+    out = only_user(node)
+    if len(s) == 3 and as_int(s[1]) == k and is_op(out, aten.sum) and list(out.args[1]) == [1]:
+        return out
+    return None
 
 
 def one_qdq(a: QDQ, b: QDQ) -> Union[QDQ, bool]:

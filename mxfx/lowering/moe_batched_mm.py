@@ -116,9 +116,8 @@ def match(ga: Node) -> Optional[moe.Match]:
             if weights is None:
                 return None
         elif is_op(nxt, aten.reshape, aten.view):
-            s = shape(nxt)
-            out = only_user(nxt)
-            if not (len(s) == 3 and as_int(s[1]) == k and is_op(out, aten.sum) and list(out.args[1]) == [1]):
+            out = moe.slot_sum(nxt, k)
+            if out is None:
                 return None
             break
         else:

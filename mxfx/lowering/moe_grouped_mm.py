@@ -128,9 +128,8 @@ def match(ga: Node) -> Optional[moe.Match]:
         elif is_op(nxt, aten.index) and not unpermuted and _is_inverse(nxt.args[1][0], perm):
             unpermuted = True
         elif is_op(nxt, aten.reshape, aten.view):
-            s = shape(nxt)
-            out = only_user(nxt)
-            if not (len(s) == 3 and as_int(s[1]) == k and is_op(out, aten.sum) and list(out.args[1]) == [1]):
+            out = moe.slot_sum(nxt, k)
+            if out is None:
                 return None
             break
         else:
