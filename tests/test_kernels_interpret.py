@@ -203,7 +203,12 @@ def test_fused_rejects_act_quant_on_unaligned_sizes(kernel_device):
     W = _weights(2, 40, 24, torch.float32, False, False, 0, kernel_device)
     x = torch.randn(3, 40, device=kernel_device)
     ids = torch.zeros(3, 1, dtype=torch.int32, device=kernel_device)
+    # The op refuses it up front (check_moe), naming the argument; the kernel entry point
+    # itself still fails loudly rather than quantizing a partial block.
     with pytest.raises(ValueError, match="activation_quant"):
+        torch.ops.mxfx.moe(x, torch.ones(3, 1, device=kernel_device), ids, W.w13, None, None,
+                           W.w2, None, None, "interleaved", 1.702, 1.0, 7.0, "mxfp8", "triton")
+    with pytest.raises(ValueError, match="multiple of 32"):
         fused_moe(x, torch.ones(3, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant("mxfp8"))
 
 
@@ -238,16 +243,17 @@ def test_fused_other_tiles(kernel_device, monkeypatch, block_m):
         assert _rel_err(out, ref) <= (1e-5 if case[-1] == torch.float32 else 3e-3)
 
 
-def test_fused_backend_refuses_act_quant_on_unaligned_config():
+def test_act_quant_on_unaligned_layer_is_refused_before_any_backend():
     from mxfx.backends.triton import BACKEND as fused
-    from mxfx.oracle import MoEConfig
+    from mxfx.oracle import MoEConfig, Platform, supports
 
+    cuda = Platform(kind="cuda", arch="sm90", packages=frozenset({"triton"}))
     ok = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=2880, top_k=2,
                    activation_quant="mxfp8")
-    shard = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=360, top_k=2,
-                      activation_quant="mxfp4")
-    assert fused.extra_check(ok, None) is None
-    assert "multiples of 32" in fused.extra_check(shard, None)
+    assert supports(fused, ok, cuda) == (True, "")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=360, top_k=2,
+                  activation_quant="mxfp4")
     a16 = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=360, top_k=2,
                     weight_quant="float")
-    assert fused.extra_check(a16, None) is None
+    assert supports(fused, a16, cuda) == (True, "")

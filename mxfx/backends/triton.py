@@ -7,7 +7,6 @@ registers exactly as :mod:`mxfx.backends.emulation` does it.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -32,15 +31,6 @@ class TritonBackend(Backend):
         note="MXFP4 unpacked in registers (PTX bf16x2 on CUDA sm90+, portable float32 "
         "elsewhere) + tl.dot; no native scaled MMA yet; verified on H200 (sm90) only",
     )
-
-    def extra_check(self, config, platform) -> Optional[str]:
-        aq = getattr(config.activation_quant, "value", config.activation_quant)
-        if aq != "none" and (config.hidden_size % 32 or config.intermediate_size % 32):
-            return (
-                f"activation_quant {aq!r} needs hidden and intermediate sizes that are multiples "
-                f"of 32, got {config.hidden_size} and {config.intermediate_size}"
-            )
-        return None
 
     def run(
         self,

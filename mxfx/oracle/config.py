@@ -62,6 +62,15 @@ class MoEConfig:
             ActivationQuantKey.parse(self.activation_quant, "activation_quant"),
         )
         formats.check_scale_rounding(self.activation_scale_rounding)
+        # A property of the layer, not of a backend: every GEMM input is quantized per block.
+        if self.activation_quant != "none" and (
+            self.hidden_size % formats.BLOCK or self.intermediate_size % formats.BLOCK
+        ):
+            raise ValueError(
+                f"activation_quant: {self.activation_quant} quantizes each GEMM input per "
+                f"{formats.BLOCK}-block, so hidden_size and intermediate_size must be multiples "
+                f"of {formats.BLOCK}; got {self.hidden_size} and {self.intermediate_size}"
+            )
 
     @property
     def activation(self) -> GatedActivation:
