@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 LAYOUTS = ("interleaved", "halves")
 
 
@@ -36,6 +38,20 @@ def check_activation(layout: str, alpha: float, beta: float, limit: Optional[flo
             raise ValueError(f"{name}: got {v!r}, expected a finite number")
     if limit is not None and (not isinstance(limit, (int, float)) or not limit > 0 or not math.isfinite(limit)):
         raise ValueError(f"limit: got {limit!r}, expected None or a finite number > 0")
+
+
+def split_gate_up(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate, up)`` halves of ``x [..., 2d]`` for ``layout``, as views."""
+    if layout == "interleaved":
+        return x[..., 0::2], x[..., 1::2]
+    return x.chunk(2, dim=-1)
+
+
+def join_gate_up(gate: torch.Tensor, up: torch.Tensor, layout: str) -> torch.Tensor:
+    """Inverse of :func:`split_gate_up`: ``[..., d]`` twice → ``[..., 2d]``."""
+    if layout == "interleaved":
+        return torch.stack((gate, up), dim=-1).flatten(-2)
+    return torch.cat((gate, up), dim=-1)
 
 
 SILU_AND_MUL = GatedActivation("halves", 1.0, 0.0, None)

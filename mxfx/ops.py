@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mxfx import backends, formats
-from mxfx.activation import GatedActivation, check_activation
+from mxfx.activation import GatedActivation, check_activation, join_gate_up, split_gate_up
 from mxfx.backends import emulation
 from mxfx.backends.base import ActivationQuant, Backend, MoEWeights
 from mxfx.oracle import MoEConfig, Platform, select
@@ -282,10 +282,7 @@ def _gated_activation_backward(ctx, grad):
     act = ctx.act
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
-    if act.layout == "interleaved":
-        g, u = xf[..., 0::2], xf[..., 1::2]
-    else:
-        g, u = xf.chunk(2, dim=-1)
+    g, u = split_gate_up(xf, act.layout)
     gate_pass = torch.ones_like(g)
     up_pass = torch.ones_like(u)
     if act.limit is not None:
@@ -298,10 +295,7 @@ def _gated_activation_backward(ctx, grad):
     gr = grad.to(acc)
     d_gate = gr * (u + act.beta) * (s + act.alpha * g * s * (1 - s)) * gate_pass
     d_up = gr * g * s * up_pass
-    if act.layout == "interleaved":
-        dx = torch.stack((d_gate, d_up), dim=-1).flatten(-2)
-    else:
-        dx = torch.cat((d_gate, d_up), dim=-1)
+    dx = join_gate_up(d_gate, d_up, act.layout)
     return dx.to(x.dtype), None, None, None, None
 
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 import torch
 
 from mxfx import formats
-from mxfx.activation import GatedActivation
+from mxfx.activation import GatedActivation, split_gate_up
 from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights
 
 
 def gated_activation(x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     """``act`` on ``x [..., 2d]`` → ``[..., d]`` in ``x.dtype``, computed in float32."""
     xf = x.to(torch.float32) if x.dtype != torch.float64 else x
-    if act.layout == "interleaved":
-        gate, up = xf[..., 0::2], xf[..., 1::2]
-    else:
-        gate, up = xf.chunk(2, dim=-1)
+    gate, up = split_gate_up(xf, act.layout)
     if act.limit is not None:
         gate = gate.clamp(max=act.limit)
         up = up.clamp(-act.limit, act.limit)
