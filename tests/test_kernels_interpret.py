@@ -102,12 +102,13 @@ def test_qdq_bit_exact(kernel_device, fmt, rounding, dtype):
 @pytest.mark.parametrize(
     "T,E,k,block_m",
     [(1, 4, 2, 16), (9, 4, 4, 16), (7, 1, 1, 16), (9, 3, 2, 4), (40, 5, 3, 8), (2, 130, 3, 16),
-     (60, 130, 3, 16), (300, 200, 2, 4)],  # the last two span several chunks
+     (60, 130, 3, 16), (300, 200, 2, 4)],
 )
-def test_routing_groups_pairs_by_expert(kernel_device, T, E, k, block_m):
+@pytest.mark.parametrize("chunk", [256, 16])  # one program; many chunks placed in parallel
+def test_routing_groups_pairs_by_expert(kernel_device, T, E, k, block_m, chunk):
     ids, _ = _routing_case(T, E, k, seed=T * 31 + E)
-    r = routing.align(ids.to(kernel_device), E, block_m)
-    again = routing.align(ids.to(kernel_device), E, block_m)
+    r = routing.align(ids.to(kernel_device), E, block_m, chunk)
+    again = routing.align(ids.to(kernel_device), E, block_m, chunk)
     nb = routing.max_blocks(T * k, E, block_m)
     assert r.block_expert.numel() == nb == r.block_rows.numel()
     assert torch.equal(r.block_expert, again.block_expert)
@@ -232,11 +233,12 @@ def test_backends_declare_and_run(kernel_device):
         unfused.run(x, torch.ones(2, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant("mxfp4"))
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_fused_other_tiles(kernel_device, monkeypatch, block_m):
+@pytest.mark.parametrize("block_m,swap,split", [(16, False, False), (16, True, True), (64, True, False),
+                                               (64, False, True)])
+def test_fused_other_tiles(kernel_device, monkeypatch, block_m, swap, split):
     from mxfx.kernels import moe
 
-    cfg = moe.GemmConfig(block_m, 32, 32, 64, 4, 2)
+    cfg = moe.GemmConfig(block_m, 32, 32, 64, 4, swap, split)
     monkeypatch.setattr(moe, "pick_config", lambda *a: cfg)
     for case in (CASES[0], CASES[4]):
         out, ref = _run_case(fused_moe, case, kernel_device, seed=11)

@@ -31,19 +31,10 @@ from mxfx.kernels.routing import Routing, align
 
 
 @triton.jit
-def _dot(a, w, acc, IEEE: tl.constexpr):
-    """``acc + a @ w.T`` with float32 accumulation (IEEE float32 products for float32 input)."""
-    if IEEE:
-        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
-def _mma_tile(acc, a, w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_wk, stride_sn,
-              stride_sk, W_MXFP4: tl.constexpr, PTX_UNPACK: tl.constexpr, IEEE: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``acc += a @ W[rows, k0:k0+BK].T`` for one expert's weight ``W``, float or MXFP4."""
+def _load_weights(w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_wk, stride_sn, stride_sk,
+                  W_MXFP4: tl.constexpr, BK: tl.constexpr):
+    """Raw weight tile of ``rows`` at K offset ``k0``: MXFP4 packed bytes ``[R, BK/2]`` and
+    scales ``[R, BK/32]``, or the float tile ``[R, BK]`` and a placeholder."""
     if W_MXFP4:
         kp = k0 // 2 + tl.arange(0, BK // 2)
         kg = k0 // 32 + tl.arange(0, BK // 32)
@@ -51,20 +42,56 @@ def _mma_tile(acc, a, w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_wk,
                     mask=row_ok[:, None] & (kp < K // 2)[None, :], other=0)
         s = tl.load(s_base + rows[:, None] * stride_sn + kg[None, :] * stride_sk,
                     mask=row_ok[:, None] & (kg < K // 32)[None, :], other=127)
-        # Even and odd K offsets stay apart: the activations are split to match, which is
-        # cheaper than interleaving the unpacked weights.
-        if PTX_UNPACK:
-            w_even, w_odd = mx.mxfp4_dequant_halves_bf16(p, s, BN, BK)
-        else:
-            w_even, w_odd = mx.mxfp4_dequant_halves(p, s, BN, BK)
-        a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
-        acc = _dot(a_even, w_even.to(a.dtype), acc, IEEE)
-        return _dot(a_odd, w_odd.to(a.dtype), acc, IEEE)
     else:
         kk = k0 + tl.arange(0, BK)
-        w = tl.load(w_base + rows[:, None] * stride_wn + kk[None, :] * stride_wk,
+        p = tl.load(w_base + rows[:, None] * stride_wn + kk[None, :] * stride_wk,
                     mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-        return _dot(a, w.to(a.dtype), acc, IEEE)
+        s = 0
+    return p, s
+
+
+@triton.jit
+def _dot(acc, a, w, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a @ w.T``; with ``SWAP`` its transpose ``acc + w @ a.T``, the weights being the
+    MMA's left operand (IEEE float32 products for float32 input)."""
+    if SWAP:
+        if IEEE:
+            return tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+        else:
+            return tl.dot(w, tl.trans(a), acc)
+    else:
+        if IEEE:
+            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _mma(acc, a, p, s, W_MXFP4: tl.constexpr, PTX_UNPACK: tl.constexpr, IEEE: tl.constexpr,
+         SWAP: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
+         BK: tl.constexpr):
+    """One K step: ``acc += a [BM, BK] @ W.T`` for a weight tile from :func:`_load_weights`.
+
+    MXFP4 unpacks into the elements at even and odd K offsets. ``SPLIT`` keeps them apart
+    and splits the activations to match (two MMAs, no interleave: cheaper when few rows
+    share the weights); otherwise they are interleaved back for one MMA over BK.
+    """
+    if W_MXFP4:
+        if PTX_UNPACK:
+            even, odd = mx.mxfp4_dequant_halves_bf16(p, s, BW, BK)
+        else:
+            even, odd = mx.mxfp4_dequant_halves(p, s, BW, BK)
+        even = even.to(a.dtype)
+        odd = odd.to(a.dtype)
+        if SPLIT:
+            a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+            acc = _dot(acc, a_even, even, SWAP, IEEE)
+            acc = _dot(acc, a_odd, odd, SWAP, IEEE)
+        else:
+            acc = _dot(acc, a, tl.reshape(tl.join(even, odd), (BW, BK)), SWAP, IEEE)
+    else:
+        acc = _dot(acc, a, p.to(a.dtype), SWAP, IEEE)
+    return acc
 
 
 @triton.jit
@@ -90,10 +117,15 @@ def _moe_gemm(
     AQ_ROUNDING: tl.constexpr,
     IEEE: tl.constexpr,
     PTX_UNPACK: tl.constexpr,
+    SWAP: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # Gated: the tile's weight rows alternate gate, up (BW = 2*BLOCK_N rows, one MMA), in
+    # either layout; the epilogue splits the accumulator's columns back into the two.
+    BW: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     blk = pid // num_n
@@ -103,49 +135,64 @@ def _moe_gemm(
     valid = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + blk)
     pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M), mask=valid, other=0)
     a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
-    n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
+    n0 = (pid % num_n) * BLOCK_N
+    j = tl.arange(0, BW)
+    if GATED:
+        rows = (n0 + j // 2) * GATE_STRIDE + (j % 2) * up_offset
+        row_ok = n0 + j // 2 < N
+    else:
+        rows = n0 + j
+        row_ok = rows < N
     e64 = expert.to(tl.int64)
     w_base = w_ptr + e64 * stride_we
     s_base = s_ptr + e64 * stride_se
-    rows_g = n * GATE_STRIDE
-    rows_u = rows_g + up_offset
 
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATED:
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BW, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BW), dtype=tl.float32)
+    # The next K step's loads are issued before this step's unpack and MMA, so that their
+    # latency hides behind the arithmetic (register double buffering).
+    kk = tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows + kk[None, :] * stride_ak, mask=valid[:, None] & (kk < K)[None, :], other=0.0)
+    p, s = _load_weights(w_base, s_base, rows, row_ok, 0, K, stride_wn, stride_wk, stride_sn,
+                         stride_sk, W_MXFP4, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + kk[None, :] * stride_ak, mask=valid[:, None] & (kk < K)[None, :], other=0.0)
-        acc_g = _mma_tile(acc_g, a, w_base, s_base, rows_g, n_ok, k0, K, stride_wn, stride_wk,
-                          stride_sn, stride_sk, W_MXFP4, PTX_UNPACK, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        if GATED:
-            acc_u = _mma_tile(acc_u, a, w_base, s_base, rows_u, n_ok, k0, K, stride_wn, stride_wk,
-                              stride_sn, stride_sk, W_MXFP4, PTX_UNPACK, IEEE, BLOCK_M, BLOCK_N,
-                              BLOCK_K)
+        kn = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+        a_next = tl.load(a_rows + kn[None, :] * stride_ak, mask=valid[:, None] & (kn < K)[None, :],
+                         other=0.0)
+        p_next, s_next = _load_weights(w_base, s_base, rows, row_ok, k0 + BLOCK_K, K, stride_wn,
+                                       stride_wk, stride_sn, stride_sk, W_MXFP4, BLOCK_K)
+        acc = _mma(acc, a, p, s, W_MXFP4, PTX_UNPACK, IEEE, SWAP, SPLIT, BLOCK_M, BW, BLOCK_K)
+        a = a_next
+        p = p_next
+        s = s_next
 
     if HAS_BIAS:
-        b_base = bias_ptr + e64 * stride_be
-        acc_g += tl.load(b_base + rows_g * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_u += tl.load(b_base + rows_u * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + e64 * stride_be + rows * stride_bn, mask=row_ok, other=0.0)
+        if SWAP:
+            acc += bias.to(tl.float32)[:, None]
+        else:
+            acc += bias.to(tl.float32)[None, :]
+    if SWAP:
+        acc = tl.trans(acc)
     if GATED:
-        gate = acc_g
-        up = acc_u
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
             up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
         res = gate * tl.sigmoid(alpha * gate) * (up + beta)
     else:
-        res = acc_g
+        res = acc
     if ROUTE_WEIGHT:
         res = res * tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     res = res.to(out_ptr.dtype.element_ty)
     if AQ != 0:
         # The next GEMM's input, quantized once here rather than in each of its programs.
         res = mx.qdq(res, AQ, AQ_ROUNDING, BLOCK_M, BLOCK_N)
+    n = n0 + tl.arange(0, BLOCK_N)
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :] * stride_on
-    tl.store(out, res, mask=valid[:, None] & n_ok[None, :])
+    tl.store(out, res, mask=valid[:, None] & (n < N)[None, :])
 
 
 @triton.jit
@@ -169,20 +216,20 @@ class GemmConfig(NamedTuple):
     block_n2: int  # GEMM2 output columns per program
     block_k: int
     num_warps: int
-    num_stages: int
+    swap: bool  # weights as the MMA's left operand (see _dot)
+    split: bool  # MXFP4 halves kept apart, two MMAs per K step (see _mma)
 
 
 def pick_config(num_pairs: int, num_experts: int) -> GemmConfig:
-    """Tile shapes from the mean rows per expert: small blocks and many N tiles while the
-    weights dominate (few tokens), large tiles once it is matrix-bound."""
+    """Tile shapes from the mean rows per expert, measured on the H200 (tools/PERF_LOG.md):
+    while the weights dominate (few rows), small blocks with the weights as the MMA's left
+    operand; once it is matrix-bound, large blocks with one MMA per K step."""
     rows = num_pairs / num_experts
-    if rows <= 16:
-        return GemmConfig(16, 32, 64, 128, 4, 4)
+    if rows <= 4:
+        return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True)
     if rows <= 32:
-        return GemmConfig(32, 32, 64, 128, 4, 4)
-    if rows <= 96:
-        return GemmConfig(64, 64, 64, 64, 4, 3)
-    return GemmConfig(128, 64, 128, 64, 8, 3)
+        return GemmConfig(32, 64, 128, 64, 4, swap=True, split=False)
+    return GemmConfig(128, 64, 128, 64, 4, swap=False, split=False)
 
 
 def _gemm(
@@ -233,11 +280,15 @@ def _gemm(
         AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
         IEEE=a.dtype == torch.float32,
         PTX_UNPACK=quantized and mx.ptx_unpack(a.dtype, a.device),
+        SWAP=cfg.swap,
+        SPLIT=cfg.split,
         BLOCK_M=cfg.block_m,
         BLOCK_N=block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        # The K loop double-buffers its loads by hand: Triton's pipeliner does not take
+        # loads that are unpacked in registers before the MMA.
+        num_stages=1,
     )
 
 

@@ -42,11 +42,11 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.conste
                   CHUNK: tl.constexpr):
     """counts[c, e]: how many of chunk c's pairs go to expert e."""
     c = tl.program_id(0)
-    experts = tl.arange(0, E_POW2)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-    hit = (ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]
-    tl.store(counts_ptr + c * E_POW2 + experts, tl.sum(hit.to(tl.int32), axis=0))
+    routed = (ids >= 0) & (ids < num_experts)
+    counts = tl.histogram(tl.where(routed, ids, 0).to(tl.int32), E_POW2, mask=routed)
+    tl.store(counts_ptr + c * E_POW2 + tl.arange(0, E_POW2), counts)
 
 
 @triton.jit
@@ -63,6 +63,7 @@ def _place_kernel(
     BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
     NC_POW2: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
 ):
@@ -72,51 +73,65 @@ def _place_kernel(
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     live = experts < num_experts
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-    hit = ((ids[:, None] == experts[None, :]) & live[None, :]).to(tl.int32)
     if ONE_CHUNK:
-        counts = tl.sum(hit, axis=0)
-        before = tl.zeros_like(counts)
+        everything = tl.arange(0, CHUNK)
+        all_ids = tl.load(ids_ptr + everything, mask=everything < num_pairs, other=-1)
+        all_routed = (all_ids >= 0) & (all_ids < num_experts)
+        counts = tl.histogram(tl.where(all_routed, all_ids, 0).to(tl.int32), E_POW2, mask=all_routed)
+        base = tl.zeros_like(counts)
     else:
         chunks = tl.arange(0, NC_POW2)
         all_counts = tl.load(counts_ptr + chunks[:, None] * E_POW2 + experts[None, :],
                              mask=(chunks < num_chunks)[:, None], other=0)
         counts = tl.sum(all_counts, axis=0)
-        before = tl.sum(tl.where((chunks < c)[:, None], all_counts, 0), axis=0)
+        base = tl.sum(tl.where((chunks < c)[:, None], all_counts, 0), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
+    base += starts
 
-    rank = tl.cumsum(hit, axis=0) - 1  # rank among this chunk's pairs of the same expert
-    pos = tl.sum(hit * (starts + before)[None, :] + hit * rank, axis=1)
-    tl.store(sorted_ptr + pos, offs, mask=tl.sum(hit, axis=1) > 0)
+    # SUB pairs at a time, in order: a pair's slot is its expert's next free one, after
+    # those taken by the same expert's earlier pairs of this step (no scans: a [SUB, SUB]
+    # comparison and gathers).
+    # `while`, not `range`: the Triton 3.6 interpreter cannot take a run-time scalar as a
+    # `range` bound under numpy 2.
+    i = tl.arange(0, SUB)
+    p0 = c * CHUNK
+    p_end = tl.minimum(p0 + CHUNK, num_pairs)
+    while p0 < p_end:
+        offs = p0 + i
+        ids = tl.load(ids_ptr + offs, mask=offs < p_end, other=-1)
+        routed = (ids >= 0) & (ids < num_experts)
+        e = tl.where(routed, ids, 0).to(tl.int32)
+        earlier = (e[:, None] == e[None, :]) & routed[None, :] & (i[None, :] < i[:, None])
+        pos = tl.gather(base, e, 0) + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_ptr + pos, offs, mask=routed)
+        base += tl.histogram(e, E_POW2, mask=routed)
+        p0 += SUB
 
     per_program = tl.cdiv(num_blocks, num_chunks)
     b0 = c * per_program
     b_end = tl.minimum(b0 + per_program, num_blocks)
-    # `while`, not `range`: the Triton 3.6 interpreter cannot take a run-time scalar as a
-    # `range` bound under numpy 2.
     while b0 < b_end:
-        blk = b0 + tl.arange(0, CHUNK)
-        row = (blk * BLOCK_M)[:, None]
-        owner = (starts[None, :] <= row) & (row < ends[None, :])  # one-hot, or none past the end
-        first = tl.sum(tl.where(owner, starts[None, :], 0), axis=1)
-        count = tl.sum(tl.where(owner, counts[None, :], 0), axis=1)
-        expert = tl.sum(tl.where(owner, experts[None, :], 0), axis=1)
-        found = tl.sum(owner.to(tl.int32), axis=1) > 0
+        blk = b0 + i
+        row = blk * BLOCK_M
+        # The block's expert is the first whose padded run ends after its first row; past
+        # the last run that is E_POW2 (experts >= E have empty runs).
+        expert = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        found = expert < num_experts
+        e = tl.minimum(expert, E_POW2 - 1)
+        rows = tl.minimum(tl.gather(counts, e, 0) - (row - tl.gather(starts, e, 0)), BLOCK_M)
         ok = blk < b_end
         tl.store(block_expert_ptr + blk, tl.where(found, expert, -1), mask=ok)
-        rows = tl.minimum(count - (blk * BLOCK_M - first), BLOCK_M)
         tl.store(block_rows_ptr + blk, tl.where(found, rows, 0), mask=ok)
-        b0 += CHUNK
+        b0 += SUB
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 256) -> Routing:
     """Group the pairs of ``topk_ids [T, k]`` (any integer dtype) by expert; see the module doc.
 
-    Per-chunk expert counts, then each chunk places its pairs at its offset (one launch when
-    the pairs fit one chunk).
+    ``chunk`` (a power of two) pairs per program: per-chunk expert counts, then each chunk
+    places its pairs at its offset (one launch when the pairs fit one chunk).
     """
     num_pairs = topk_ids.numel()
     nb = max_blocks(num_pairs, num_experts, block_m)
@@ -127,9 +142,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     if nb > 0:
         ids = topk_ids.reshape(-1)  # any integer dtype: the kernels compare it as loaded
         e_pow2 = triton.next_power_of_2(max(num_experts, 2))
-        # A [CHUNK, E] one-hot tile per program: keep it near 16K elements.
-        chunk = max(16, min(1024, 16384 // e_pow2))
         num_chunks = triton.cdiv(num_pairs, chunk)
+        chunk = min(chunk, max(16, triton.next_power_of_2(num_pairs)))
         counts = block_rows  # placeholder pointer: unused with ONE_CHUNK
         if num_chunks > 1:
             counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=dev)
@@ -137,7 +151,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
                                          CHUNK=chunk)
         _place_kernel[(num_chunks,)](
             ids, counts, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, num_chunks, nb,
-            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk,
-            NC_POW2=triton.next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1, num_warps=8,
+            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, SUB=min(chunk, 64),
+            NC_POW2=triton.next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1,
         )
     return Routing(sorted_pairs, block_expert, block_rows, block_m, num_pairs)
