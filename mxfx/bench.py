@@ -357,8 +357,10 @@ def format_row(r: Row) -> str:
     tk_pct = f"{100 * r.roofline_us / tk:5.0f}" if tk else f"{'-':>5}"
     eager = f"{r.eager_us:9.1f}" if r.eager_us is not None else f"{'-':>9}"
     err = f"{r.rel_err:8.1e}" if r.rel_err is not None else f"{'-':>8}"
+    # Sub-µs rooflines (tiny shapes on a GPU) keep their significant digits.
+    roof = f"{r.roofline_us:8.1f}" if r.roofline_us >= 1 else f"{r.roofline_us:8.2g}"
     return (f"{r.model:<14} {r.act_quant:<5} {r.T:>5} {r.backend:<15} {r.us:9.1f} {r.mode:<5} {eager} "
-            f"{r.roofline_us:8.1f} {r.pct:6.1f} {r.tbps:6.2f} {r.tflops:8.1f} {err} {tk_us} {tk_pct}")
+            f"{roof} {r.pct:6.1f} {r.tbps:6.2f} {r.tflops:8.1f} {err} {tk_us} {tk_pct}")
 
 
 def format_table(rows: Sequence[Row]) -> str:

@@ -16,7 +16,7 @@ from torch import Tensor
 from mxfx import backends, formats
 from mxfx.activation import GatedActivation, check_activation, join_gate_up, split_gate_up
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, Backend, MoEWeights
+from mxfx.backends.base import ActivationQuant, Backend, MoEWeights, expert_id_error
 from mxfx.oracle import MoEConfig, Platform, select
 from mxfx.oracle import settings as oracle_settings
 
@@ -189,16 +189,14 @@ def check_moe(
 
 
 def check_expert_ids(topk_ids: Tensor, num_experts: int) -> None:
-    """Ids >= E are an error. On CPU (or with ``MXFX_DEBUG=1``) this raises at once;
-    on an accelerator it is a device-side assert, so no host synchronisation is added."""
-    if topk_ids.numel() == 0:
-        return
-    if topk_ids.device.type == "cpu" or os.environ.get("MXFX_DEBUG") == "1":
+    """Ids >= E are an error. On CPU (or with ``MXFX_DEBUG=1``) this raises here. On an
+    accelerator the backend checks them without adding a host synchronisation: the Triton
+    backends with a device-side assert in their routing kernel, the emulation (which
+    synchronises anyway) by raising."""
+    if topk_ids.numel() and (topk_ids.device.type == "cpu" or os.environ.get("MXFX_DEBUG") == "1"):
         top = int(topk_ids.max())
         if top >= num_experts:
-            raise ValueError(f"topk_ids: expert id {top} out of range, expected ids < E={num_experts}")
-    else:
-        torch._assert_async((topk_ids < num_experts).all(), "topk_ids: expert id >= E")
+            raise ValueError(expert_id_error(top, num_experts))
 
 
 # ---------------------------------------------------------------------------- ops

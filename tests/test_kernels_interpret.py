@@ -15,6 +15,8 @@ from mxfx.backends import emulation
 from mxfx.backends.base import ActivationQuant, MoEWeights
 
 pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 from mxfx.kernels import mx, routing  # noqa: E402
 from mxfx.kernels.moe import fused_moe, unfused_moe  # noqa: E402
 
@@ -259,3 +261,23 @@ def test_act_quant_on_unaligned_layer_is_refused_before_any_backend():
     a16 = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=360, top_k=2,
                     weight_quant="float")
     assert supports(fused, a16, cuda) == (True, "")
+
+
+# ---------------------------------------------------------------- fast launches
+
+
+def _kernel_with_constexpr_first(x_ptr, N: tl.constexpr, y):
+    pass
+
+
+def test_launcher_key_separates_what_triton_specializes_on():
+    from triton.runtime import JITFunction
+
+    from mxfx.kernels.launch import Launcher, _spec
+
+    with pytest.raises(ValueError, match="constexpr parameters must come last"):
+        Launcher(JITFunction(_kernel_with_constexpr_first))
+    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31), _spec(2**40 + 1)}) == 5
+    buf = torch.zeros(64, dtype=torch.float16)
+    assert _spec(buf) != _spec(buf[1:]) and _spec(buf) != _spec(buf.float())
+    assert _spec(0.5) == _spec(2.0) != _spec(None)

@@ -199,3 +199,15 @@ def test_activation_quant_changes_the_result():
     for aq in ("mxfp8", "mxfp4"):
         rel = ((outs[aq] - outs["none"]).norm() / outs["none"].norm()).item()
         assert rel > 1e-3, aq
+
+
+def test_expert_id_beyond_E_raises_in_the_backend():
+    """The emulation checks the ids itself (on an accelerator the op leaves that to the backend)."""
+    from mxfx.backends import emulation
+    from mxfx.backends.base import ActivationQuant, MoEWeights
+
+    E, H, I = 3, 32, 32
+    w = MoEWeights(torch.zeros(E, 2 * I, H), None, None, torch.zeros(E, H, I), None, None)
+    ids = torch.tensor([[0, 3]])
+    with pytest.raises(ValueError, match="expert id 3 out of range"):
+        emulation.moe(torch.ones(1, H), torch.ones(1, 2), ids, w, GatedActivation(), ActivationQuant())

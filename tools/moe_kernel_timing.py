@@ -120,21 +120,16 @@ def main() -> None:
             variants += [("fused", ActivationQuant("mxfp8"), None), ("fused", ActivationQuant("mxfp4"), None)]
         if args.sweep:
             rows_per_expert = T * K / E
-            # (block_m, block_n1, block_n2, block_k, warps, stages, swap)
-            if rows_per_expert <= 8:
-                tiles = [(16, 32, 64, 128, 4, 1, False), (16, 32, 64, 128, 4, 1, True),
-                         (16, 16, 32, 256, 4, 1, False), (16, 32, 32, 256, 4, 1, True),
-                         (16, 64, 64, 128, 4, 1, True), (16, 32, 64, 64, 4, 1, True),
-                         (16, 16, 32, 128, 2, 1, False), (16, 64, 128, 128, 8, 1, True)]
+            # (block_m, block_n1, block_n2, block_k, warps, swap, split)
+            if rows_per_expert <= 4:
+                tiles = [(16, 32, 64, 128, 4, True, True), (16, 32, 64, 128, 4, False, True),
+                         (16, 16, 32, 128, 4, True, True), (16, 32, 64, 64, 4, True, True)]
             elif rows_per_expert <= 32:
-                tiles = [(16, 32, 64, 128, 4, 1, False), (16, 32, 64, 128, 4, 1, True),
-                         (32, 32, 64, 128, 4, 1, False), (32, 32, 64, 128, 4, 1, True),
-                         (32, 64, 128, 64, 4, 1, True), (64, 64, 64, 64, 4, 1, False)]
+                tiles = [(32, 64, 128, 64, 4, True, False), (32, 64, 128, 64, 4, True, True),
+                         (32, 32, 64, 128, 4, True, True), (64, 64, 128, 64, 4, False, False)]
             else:
-                tiles = [(128, 64, 128, 64, 8, 1, False), (128, 64, 128, 64, 8, 1, True),
-                         (64, 64, 128, 64, 4, 1, False), (64, 64, 128, 64, 4, 1, True),
-                         (128, 128, 128, 64, 8, 1, True), (128, 64, 128, 128, 8, 1, True),
-                         (64, 128, 128, 64, 8, 1, True)]
+                tiles = [(128, 64, 128, 64, 4, False, False), (128, 64, 128, 64, 8, False, False),
+                         (128, 128, 128, 64, 8, False, False), (64, 64, 128, 64, 4, False, False)]
             for t in tiles:
                 variants.append(("fused", ActivationQuant(), moe.GemmConfig(*t)))
         for name, aq, cfg in variants:

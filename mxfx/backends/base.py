@@ -89,3 +89,8 @@ class Backend(ABC):
         aq: ActivationQuant,
     ) -> torch.Tensor:
         """``mxfx.moe`` on already-validated arguments → ``[T, H]`` in ``x.dtype``."""
+
+
+def expert_id_error(top: int, num_experts: int) -> str:
+    """The message for an expert id ``top`` >= E, wherever it is caught."""
+    return f"topk_ids: expert id {top} out of range, expected ids < E={num_experts}"

@@ -10,7 +10,7 @@ import torch
 
 from mxfx import formats
 from mxfx.activation import GatedActivation, split_gate_up
-from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights
+from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights, expert_id_error
 
 
 def gated_activation(x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
@@ -57,7 +57,10 @@ def moe(
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     flat_w = topk_weights.reshape(-1).to(acc)
     token = torch.arange(T, device=x.device).repeat_interleave(k)
-    for e in torch.unique(flat_ids[flat_ids >= 0]).tolist():
+    experts = torch.unique(flat_ids[flat_ids >= 0]).tolist()
+    if experts and experts[-1] >= weights.num_experts:
+        raise ValueError(expert_id_error(experts[-1], weights.num_experts))
+    for e in experts:
         pick = (flat_ids == e).nonzero().squeeze(1)
         t = token[pick]
         xe = quantize_activation(x[t], aq).to(acc)

@@ -3,11 +3,14 @@
 One kernel, :func:`_moe_gemm`, serves every GEMM of the MoE. A program owns one block of
 ``BLOCK_M`` (token, slot) pairs of a single expert (from :mod:`mxfx.kernels.routing`) and
 ``BLOCK_N`` output columns; it gathers its activation rows, streams the expert's weight
-tile along K (MXFP4 unpacked and scaled in registers, or float), accumulates in float32 with ``tl.dot`` on x.dtype operands, and finishes with one of the
-epilogues:
+tile along K (MXFP4 unpacked and scaled in registers, or float; the next step's loads issued
+before this step's arithmetic), accumulates in float32 with ``tl.dot`` on x.dtype operands
+(the weights as the left operand when few rows share them, see :func:`pick_config`), and
+finishes with one of the epilogues:
 
-- GEMM1, fused: + bias, gated activation (gate and up rows are two accumulators, so both
-  layouts and any alpha, beta, limit work), rounded to x.dtype, MX quantize-dequantized
+- GEMM1, fused: + bias, gated activation (the tile's weight rows alternate gate and up, in
+  either layout, and the accumulator's columns are split back, so any alpha, beta, limit
+  work), rounded to x.dtype, MX quantize-dequantized
   per 32 columns under activation quantization, stored per pair: ``[T*k, I]``;
 - GEMM1, unfused: + bias, stored in x.dtype: ``[T*k, 2I]``;
 - GEMM2: + bias, × routing weight, stored in float32 per pair: ``[T*k, H]``.
@@ -27,6 +30,7 @@ import triton.language as tl
 from mxfx.activation import GatedActivation
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import mx
+from mxfx.kernels.launch import Launcher
 from mxfx.kernels.routing import Routing, align
 
 
@@ -210,6 +214,10 @@ def _sum_slots(y_ptr, ids_ptr, out_ptr, H, num_experts, stride_ot, TOPK: tl.cons
     tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
+_GEMM = Launcher(_moe_gemm)
+_SUM_SLOTS = Launcher(_sum_slots)
+
+
 class GemmConfig(NamedTuple):
     block_m: int
     block_n1: int  # GEMM1 output columns per program (per accumulator); a multiple of 32
@@ -258,7 +266,7 @@ def _gemm(
     limit = act.limit if gated and act.limit is not None else 0.0
     num_blocks = routing.block_expert.numel()
     grid = (num_blocks * triton.cdiv(n_out, block_n),)
-    _moe_gemm[grid](
+    _GEMM[grid](
         a, a.stride(0), a.stride(1),
         w, w.stride(0), w.stride(1), w.stride(2),
         s, s.stride(0), s.stride(1), s.stride(2),
@@ -306,7 +314,7 @@ def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg) -> t
           cfg, block_n=cfg.block_n2, route_weights=topk_weights.reshape(-1))
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     block_h = min(1024, triton.next_power_of_2(H))
-    _sum_slots[(T, triton.cdiv(H, block_h))](
+    _SUM_SLOTS[(T, triton.cdiv(H, block_h))](
         y, topk_ids.reshape(-1), out, H, weights.num_experts, out.stride(0),
         TOPK=topk_ids.shape[1], BLOCK_H=block_h,
     )

@@ -181,3 +181,52 @@ def test_backends_through_ops():
         out = torch.ops.mxfx.moe(x, tw, ids, W.w13, W.w13_scale, W.w13_bias, W.w2, W.w2_scale,
                                  W.w2_bias, "interleaved", 1.702, 1.0, 7.0, "none", name)
         assert _rel_err(out, ref) <= 5e-3
+
+
+def test_fast_launch_keys_on_alignment():
+    """Repeated launches reuse the compiled kernel; an input that is not 16-byte aligned gets
+    a kernel specialized for it, and every result stays right."""
+    from mxfx.kernels.launch import Launcher
+
+    E, H, I, k, T = 4, 352, 224, 2, 9
+    W = _weights(E, H, I, torch.bfloat16)
+    x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=7)
+    shifted = torch.empty(T * H + 1, dtype=x.dtype, device="cuda")[1:].view(T, H)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 != 0
+    ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    gemm: Launcher = moe._GEMM
+    before = len(gemm._compiled)
+    for inp in (x, x, shifted, shifted, x):
+        out = moe.fused_moe(inp, tw, ids, W, GPT_OSS, ActivationQuant())
+        assert _rel_err(out, ref) <= 5e-3
+    keys = list(gemm._compiled)[before:]
+    assert len(keys) == 4  # GEMM1 and GEMM2, each for the aligned and the shifted x
+    assert {key[2][1] for key in keys} == {True, False}  # x's alignment is in the key
+
+
+def test_expert_id_beyond_E_is_a_device_side_assert():
+    """No host synchronisation to check the ids: the routing kernel asserts on the device,
+    which fails the process's CUDA context (so this runs in a subprocess)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, mxfx\n"
+        "from mxfx.activation import GPT_OSS\n"
+        "from mxfx.backends.base import ActivationQuant, MoEWeights\n"
+        "from mxfx.kernels import moe\n"
+        "E, H, I = 4, 64, 64\n"
+        "w = MoEWeights(torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8, device='cuda'),\n"
+        "               torch.full((E, 2 * I, H // 32), 127, dtype=torch.uint8, device='cuda'), None,\n"
+        "               torch.zeros(E, H, I // 2, dtype=torch.uint8, device='cuda'),\n"
+        "               torch.full((E, H, I // 32), 127, dtype=torch.uint8, device='cuda'), None)\n"
+        "x = torch.ones(2, H, dtype=torch.bfloat16, device='cuda')\n"
+        "ids = torch.tensor([[0, 1], [2, E]], dtype=torch.int32, device='cuda')\n"
+        "moe.fused_moe(x, torch.ones(2, 2, device='cuda'), ids, w, GPT_OSS, ActivationQuant())\n"
+        "torch.cuda.synchronize()\n"
+        "print('no error')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "no error" not in r.stdout
+    assert "expert id >= E" in r.stdout + r.stderr
