@@ -20,15 +20,14 @@ import torch
 import triton
 from triton import knobs
 
-_I32 = range(-(2**31), 2**31)
-
 
 def _spec(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
+    kind = type(arg)
+    if kind is int or kind is bool:
+        return arg
+    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool) or not isinstance(arg, int):
-        return type(arg)
-    return arg in _I32, arg == 1, arg % 16 == 0
+    return kind
 
 
 class Launcher:
@@ -59,7 +58,7 @@ class Launcher:
                 or knobs.runtime.launch_exit_hook is not None):
             self._kernel[grid](*args, **meta)
             return
-        key = (tuple(meta.items()), x.device.index, *map(_spec, args))
+        key = (tuple(meta.items()), x.device.index, *[_spec(a) for a in args])
         hit = self._compiled.get(key)
         if hit is None:
             compiled = self._kernel[grid](*args, **meta)
