@@ -282,3 +282,27 @@ def test_launcher_key_separates_what_triton_specializes_on():
     buf = torch.zeros(64, dtype=torch.float16)
     assert _spec(buf) != _spec(buf[1:]) and _spec(buf) != _spec(buf.float())
     assert _spec(0.5) == _spec(2.0) != _spec(None)
+
+
+def test_launcher_passes_the_arguments_as_triton_does():
+    """The direct launch hands the compiled kernel the list Triton's binder makes."""
+    import inspect
+
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime import JITFunction
+    from triton.runtime.jit import create_function_from_signature
+
+    from mxfx.kernels import moe
+    from mxfx.kernels.launch import Launcher
+
+    for kernel in (moe._moe_gemm, moe._sum_slots, routing._place_kernel, routing._count_kernel):
+        jit = JITFunction(kernel.fn)
+        launcher = Launcher(jit)
+        binder = create_function_from_signature(jit.signature, jit.params, CUDABackend)
+        params = list(inspect.signature(kernel.fn).parameters)
+        constexprs = [p for p in params if p in launcher._constexprs]
+        args = tuple(range(100, 100 + len(params) - len(constexprs)))
+        meta = {name: 1000 + i for i, name in enumerate(reversed(constexprs))}
+        meta.update(num_warps=4, num_stages=1)
+        bound, _, _ = binder(*args, **meta)
+        assert list(bound.values()) == [*args, *launcher.constexpr_values(meta)]

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from mxfx.activation import GatedActivation
+from mxfx.kernels.launch import cdiv, next_power_of_2
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096  # elements per program: enough loads in flight per SM, few registers per thread
@@ -63,8 +64,8 @@ def _gated_activation_kernel(
 
 
 def _blocks(m: int, d: int) -> tuple[int, int]:
-    block_d = min(triton.next_power_of_2(d), _MAX_BLOCK_D)
-    block_m = min(max(_TILE // block_d, 1), triton.next_power_of_2(m))
+    block_d = min(next_power_of_2(d), _MAX_BLOCK_D)
+    block_m = min(max(_TILE // block_d, 1), next_power_of_2(m))
     return block_m, block_d
 
 
@@ -90,7 +91,7 @@ def gated_activation(x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     x2 = x.reshape(-1, 2 * d)
     m = x2.shape[0]
     block_m, block_d = _blocks(m, d)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(d, block_d))
+    grid = (cdiv(m, block_m), cdiv(d, block_d))
     device = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
     limit = 0.0 if act.limit is None else float(act.limit)
     with device:

@@ -30,7 +30,7 @@ import triton.language as tl
 from mxfx.activation import GatedActivation
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import mx
-from mxfx.kernels.launch import Launcher
+from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 from mxfx.kernels.routing import Routing, align
 
 
@@ -265,15 +265,16 @@ def _gemm(
     interleaved = gated and act.layout == "interleaved"
     limit = act.limit if gated and act.limit is not None else 0.0
     num_blocks = routing.block_expert.numel()
-    grid = (num_blocks * triton.cdiv(n_out, block_n),)
+    grid = (num_blocks * cdiv(n_out, block_n),)
+    b_strides = b.stride()
     _GEMM[grid](
-        a, a.stride(0), a.stride(1),
-        w, w.stride(0), w.stride(1), w.stride(2),
-        s, s.stride(0), s.stride(1), s.stride(2),
-        b, b.stride(0), b.stride(-1),
+        a, *a.stride(),
+        w, *w.stride(),
+        s, *s.stride(),
+        b, b_strides[0], b_strides[-1],
         rw,
         routing.sorted_pairs, routing.block_expert, routing.block_rows,
-        out, out.stride(0), out.stride(1),
+        out, *out.stride(),
         n_out, (1 if interleaved else n_out) if gated else 0,
         float(act.alpha) if gated else 1.0, float(act.beta) if gated else 0.0, float(limit),
         K=k_in,
@@ -313,8 +314,8 @@ def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg) -> t
     _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, H, inter.shape[1],
           cfg, block_n=cfg.block_n2, route_weights=topk_weights.reshape(-1))
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    block_h = min(1024, triton.next_power_of_2(H))
-    _SUM_SLOTS[(T, triton.cdiv(H, block_h))](
+    block_h = min(1024, next_power_of_2(H))
+    _SUM_SLOTS[(T, cdiv(H, block_h))](
         y, topk_ids.reshape(-1), out, H, weights.num_experts, out.stride(0),
         TOPK=topk_ids.shape[1], BLOCK_H=block_h,
     )

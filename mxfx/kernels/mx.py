@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mxfx import formats
+from mxfx.kernels.launch import cdiv
 
 # Codes for the constexpr arguments of the kernels.
 FMT_NONE, FMT_MXFP8, FMT_MXFP4 = 0, 1, 2
@@ -224,7 +225,7 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even")
     out = torch.empty_like(x)
     M, K = x.shape
     bm, bk = 16, 64
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    grid = (cdiv(M, bm), cdiv(K, bk))
     if M and K:
         _qdq_kernel[grid](x, out, M, K, x.stride(0), FMT=FMT_CODES[fmt],
                           ROUNDING=ROUNDING_CODES[scale_rounding], BM=bm, BK=bk)
@@ -265,7 +266,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torc
     out = torch.empty(M, K, dtype=out_dtype, device=packed.device)
     bm, bk = 16, 64
     if M and K:
-        _dequant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
+        _dequant_kernel[(cdiv(M, bm), cdiv(K, bk))](
             packed.contiguous(), scales.contiguous(), out, M, K,
             PTX=ptx_unpack(out_dtype, packed.device), BM=bm, BK=bk)
     return out

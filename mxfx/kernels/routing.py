@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.launch import Launcher
+from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 
 
 class Routing(NamedTuple):
@@ -151,9 +151,9 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 2
     block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
     if nb > 0:
         ids = topk_ids.reshape(-1)  # any integer dtype: the kernels compare it as loaded
-        e_pow2 = triton.next_power_of_2(max(num_experts, 2))
-        num_chunks = triton.cdiv(num_pairs, chunk)
-        chunk = min(chunk, max(16, triton.next_power_of_2(num_pairs)))
+        e_pow2 = next_power_of_2(max(num_experts, 2))
+        num_chunks = cdiv(num_pairs, chunk)
+        chunk = min(chunk, max(16, next_power_of_2(num_pairs)))
         counts = block_rows  # placeholder pointer: unused with ONE_CHUNK
         if num_chunks > 1:
             counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=dev)
@@ -161,7 +161,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 2
         _PLACE[(num_chunks,)](
             ids, counts, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, num_chunks, nb,
             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, SUB=min(chunk, 64),
-            NC_POW2=triton.next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1,
+            NC_POW2=next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1,
             debug=True,  # the id check is a device-side assert: no host synchronisation
         )
     return Routing(sorted_pairs, block_expert, block_rows, block_m, num_pairs)

@@ -183,11 +183,13 @@ def test_backends_through_ops():
         assert _rel_err(out, ref) <= 5e-3
 
 
-def test_fast_launch_keys_on_alignment():
+def test_fast_launch_keys_on_alignment(monkeypatch):
     """Repeated launches reuse the compiled kernel; an input that is not 16-byte aligned gets
     a kernel specialized for it, and every result stays right."""
+    from mxfx.kernels import launch
     from mxfx.kernels.launch import Launcher
 
+    monkeypatch.setattr(launch, "ENABLED", True)
     E, H, I, k, T = 4, 352, 224, 2, 9
     W = _weights(E, H, I, torch.bfloat16)
     x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=7)
