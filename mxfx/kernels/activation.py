@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from mxfx.activation import GatedActivation
-from mxfx.kernels.launch import cdiv, next_power_of_2
+from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096  # elements per program: enough loads in flight per SM, few registers per thread
@@ -63,6 +63,9 @@ def _gated_activation_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+_GATED = Launcher(_gated_activation_kernel)
+
+
 def _blocks(m: int, d: int) -> tuple[int, int]:
     block_d = min(next_power_of_2(d), _MAX_BLOCK_D)
     block_m = min(max(_TILE // block_d, 1), next_power_of_2(m))
@@ -95,7 +98,7 @@ def gated_activation(x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     device = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
     limit = 0.0 if act.limit is None else float(act.limit)
     with device:
-        _gated_activation_kernel[grid](
+        _GATED[grid](
             x2, out, m, d, x2.stride(0), x2.stride(1),
             float(act.alpha), float(act.beta), limit,
             INTERLEAVED=act.layout == "interleaved",

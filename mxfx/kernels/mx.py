@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mxfx import formats
-from mxfx.kernels.launch import cdiv
+from mxfx.kernels.launch import Launcher, cdiv
 
 # Codes for the constexpr arguments of the kernels.
 FMT_NONE, FMT_MXFP8, FMT_MXFP4 = 0, 1, 2
@@ -213,6 +213,9 @@ def _qdq_kernel(x_ptr, out_ptr, M, K, stride_m, FMT: tl.constexpr, ROUNDING: tl.
     tl.store(out_ptr + offs, qdq(x, FMT, ROUNDING, BM, BK), mask=mask)
 
 
+_QDQ = Launcher(_qdq_kernel)
+
+
 def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even") -> torch.Tensor:
     """:func:`mxfx.formats.quantize_dequantize` of a 2-D ``x [M, K]`` (K a multiple of 32)
     computed by :func:`qdq` in a Triton kernel; ``fmt`` is ``"mxfp8"`` or ``"mxfp4"``."""
@@ -227,8 +230,8 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even")
     bm, bk = 16, 64
     grid = (cdiv(M, bm), cdiv(K, bk))
     if M and K:
-        _qdq_kernel[grid](x, out, M, K, x.stride(0), FMT=FMT_CODES[fmt],
-                          ROUNDING=ROUNDING_CODES[scale_rounding], BM=bm, BK=bk)
+        _QDQ[grid](x, out, M, K, x.stride(0), FMT=FMT_CODES[fmt],
+                   ROUNDING=ROUNDING_CODES[scale_rounding], BM=bm, BK=bk)
     return out
 
 
@@ -251,6 +254,9 @@ def _dequant_kernel(p_ptr, s_ptr, out_ptr, M, K, PTX: tl.constexpr, BM: tl.const
              mask=r_ok & (k < K)[None, :])
 
 
+_DEQUANT = Launcher(_dequant_kernel)
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """:func:`mxfx.formats.dequantize` of MXFP4 ``packed uint8 [M, K/2]`` with ``scales uint8
     [M, K/32]``, unpacked by the same in-register code as the MoE kernels → ``[M, K]``."""
@@ -266,7 +272,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torc
     out = torch.empty(M, K, dtype=out_dtype, device=packed.device)
     bm, bk = 16, 64
     if M and K:
-        _dequant_kernel[(cdiv(M, bm), cdiv(K, bk))](
+        _DEQUANT[(cdiv(M, bm), cdiv(K, bk))](
             packed.contiguous(), scales.contiguous(), out, M, K,
             PTX=ptx_unpack(out_dtype, packed.device), BM=bm, BK=bk)
     return out

@@ -1,0 +1,138 @@
+"""Compile every kernel specialization mxfx's launch code makes, for GPU targets, on any machine.
+
+The launch code runs on CPU tensors with the launches recorded instead of run: the MoE fused
+and unfused, MXFP4 and float weights, float16 / bfloat16 / float32, activation quantization,
+the tile regime of each branch of ``pick_config``, routing in one and in several chunks, the
+MX helpers. Each distinct specialization is then bound, specialized and compiled the way
+Triton's own launch would do it for the target, through to the device binary (ptxas for
+CUDA, the AMDGPU backend for ROCm), so a kernel that does not build for a GPU fails here
+without one. One line per specialization, or ``--json``.
+
+    python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # kernels must be JIT functions, not interpreted
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mxfx.activation import GPT_OSS, SILU_AND_MUL, minimax_m3  # noqa: E402
+from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
+from mxfx.kernels import activation, launch, moe, mx, routing  # noqa: E402
+
+DEFAULT_TARGETS = ("cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950")
+_OPTIONS = ("num_warps", "num_stages", "debug")
+
+
+def parse_target(text: str) -> GPUTarget:
+    """``cuda:90`` / ``hip:gfx942`` → a Triton ``GPUTarget``."""
+    backend, _, arch = text.partition(":")
+    if backend == "cuda" and arch.isdigit():
+        return GPUTarget("cuda", int(arch), 32)
+    if backend == "hip" and arch.startswith("gfx"):
+        return GPUTarget("hip", arch, 64)
+    raise ValueError(f"target: got {text!r}, expected cuda:<sm> or hip:gfx<N>")
+
+
+def _weights(E: int, H: int, I: int, dtype: torch.dtype, quantized: bool) -> MoEWeights:
+    if quantized:
+        return MoEWeights(
+            torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8), torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8),
+            torch.zeros(E, 2 * I, dtype=dtype), torch.zeros(E, H, I // 2, dtype=torch.uint8),
+            torch.zeros(E, H, I // 32, dtype=torch.uint8), torch.zeros(E, H, dtype=dtype),
+        )
+    return MoEWeights(torch.zeros(E, 2 * I, H, dtype=dtype), None, None,
+                      torch.zeros(E, H, I, dtype=dtype), None, None)
+
+
+def record_launches(target: GPUTarget) -> list[tuple]:
+    """(kernel, args, meta) of every distinct launch the launch code makes for the cases."""
+    launches: dict[tuple, tuple] = {}
+
+    def record(self, grid, args, meta):
+        key = (self._kernel.__name__, tuple(meta.items()), *(launch._spec(a) for a in args))
+        launches.setdefault(key, (self._kernel, args, meta))
+
+    ptx = target.backend == "cuda" and target.arch >= 90
+    saved = launch.Launcher._launch, mx.ptx_unpack
+    launch.Launcher._launch = record
+    mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
+    try:
+        E, k, H, I = 4, 2, 64, 96
+        # T = 1, 32, 200 at E=4, k=2: the three tile regimes of pick_config.
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for quantized in (True, False):
+                w = _weights(E, H, I, dtype, quantized)
+                for T in (1, 32, 200) if dtype == torch.bfloat16 else (1,):
+                    x = torch.zeros(T, H, dtype=dtype)
+                    ids = torch.arange(T * k, dtype=torch.int32).reshape(T, k) % E
+                    tw = torch.ones(T, k, dtype=dtype)
+                    # The epilogue's variants (layout, limit) once; the main loop's at every T.
+                    acts = (GPT_OSS, minimax_m3(1.702, 1.0, 7.0), SILU_AND_MUL) if T == 1 else (GPT_OSS,)
+                    for act in acts:
+                        moe.fused_moe(x, tw, ids, w, act, ActivationQuant())
+                    moe.unfused_moe(x, tw, ids, w, GPT_OSS, activation.gated_activation)
+                    if quantized and dtype == torch.bfloat16:
+                        for fmt in ("mxfp8", "mxfp4"):
+                            moe.fused_moe(x, tw, ids, w, GPT_OSS, ActivationQuant(fmt, "even"))
+            mx.dequantize_mxfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), dtype)
+        # Routing: one chunk smaller than, one as large as the default, several chunks.
+        for pairs in (100, 256, 1000):
+            routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
+    finally:
+        launch.Launcher._launch, mx.ptx_unpack = saved
+    return list(launches.values())
+
+
+def compile_launch(kernel, args: tuple, meta: dict, target: GPUTarget):
+    """Bind, specialize and compile one launch as Triton's ``kernel[grid](...)`` would."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **meta)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def _describe(kernel, args, meta) -> str:
+    consts = {k: v for k, v in meta.items() if k not in _OPTIONS}
+    dtypes = sorted({str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)})
+    return f"{kernel.__name__} {'/'.join(dtypes)} {consts}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", nargs="*", default=list(DEFAULT_TARGETS))
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    a = p.parse_args(argv)
+    failed = 0
+    for text in a.target:
+        target = parse_target(text)
+        for kernel, args, meta in record_launches(target):
+            row = {"target": text, "kernel": _describe(kernel, args, meta)}
+            try:
+                compiled = compile_launch(kernel, args, meta, target)
+                row["shared"] = compiled.metadata.shared
+            except Exception as e:  # every failure is reported, then the exit status says so
+                failed += 1
+                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+            print(json.dumps(row) if a.json else
+                  f"{text:11s} {'FAIL ' + row['error'] if 'error' in row else 'ok   smem ' + str(row['shared']):50s} {row['kernel']}",
+                  flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
