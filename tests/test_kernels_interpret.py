@@ -278,7 +278,7 @@ def test_launcher_key_separates_what_triton_specializes_on():
     with pytest.raises(ValueError, match="constexpr parameters must come last"):
         Launcher(JITFunction(_kernel_with_constexpr_first))
     assert len({_spec(1), _spec(16), _spec(17), _spec(2**31), _spec(2**40 + 1)}) == 5
-    assert _spec(True) != _spec(False)
+    assert _spec(True) != _spec(False) and _spec(True) != _spec(1)
     buf = torch.zeros(64, dtype=torch.float16)
     assert _spec(buf) != _spec(buf[1:]) and _spec(buf) != _spec(buf.float())
     assert _spec(0.5) == _spec(2.0) != _spec(None)

@@ -1,12 +1,15 @@
-"""Low-overhead launches of Triton kernels on CUDA.
+"""Low-overhead launches of Triton kernels on CUDA, and host arithmetic for grids.
 
 ``kernel[grid](...)`` binds and specializes every argument on each call: about 45 µs of host
-time for the MoE GEMM's 45 arguments on the H200 box, of which the compiled kernel's own C
+time for the MoE GEMM's 43 arguments on the H200 box, of which the compiled kernel's own C
 launcher is 11 µs. An eager MoE call makes four launches, so :class:`Launcher` keeps the
-compiled kernel per specialization and calls its launcher directly. The cache key holds all
-that Triton 3.6 specializes a CUDA kernel on: each tensor's dtype and 16-byte alignment, each
-integer's width class, whether it is 1 and whether it is a multiple of 16, every constexpr
-and launch option. The first launch of a key goes through Triton (compiling if needed).
+compiled kernel per key and calls its launcher directly, with the argument list Triton's own
+launch passes. The key is finer than what Triton 3.6 specializes a CUDA kernel on (each
+tensor's dtype and 16-byte alignment; each integer's width, whether it is 1, whether it is a
+multiple of 16; constexprs and launch options): it holds the integers' values themselves,
+which is cheaper to build than classifying them. So a kernel taking ``T`` gets an entry per
+``T`` seen; the first launch of a key goes through Triton (which compiles only for a new
+specialization).
 
 Elsewhere (the interpreter, ROCm, whose backend also specializes on pointer ranges, or with
 Triton launch hooks installed) every launch goes through Triton.
@@ -41,9 +44,12 @@ def next_power_of_2(n: int) -> int:
 
 
 def _spec(arg: Any) -> Any:
+    """One argument's part of the key (ints as they are; True must not equal 1 there)."""
     kind = type(arg)
-    if kind is int or kind is bool:
+    if kind is int:
         return arg
+    if kind is bool:
+        return bool, arg
     if kind is torch.Tensor or isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     return kind
