@@ -6,16 +6,24 @@ the tile regime of each branch of ``pick_config``, routing in one and in several
 MX helpers. Each distinct specialization is then bound, specialized and compiled the way
 Triton's own launch would do it for the target, through to the device binary (ptxas for
 CUDA, the AMDGPU backend for ROCm), so a kernel that does not build for a GPU fails here
-without one. One line per specialization, or ``--json``.
+without one. One line per specialization, or ``--json``. ``--sass`` (CUDA targets) adds the
+SASS instruction count of each kernel's longest loop and its most frequent opcodes, a
+first look at a variant's arithmetic cost before timing it on a GPU (with a model's sizes,
+so that the K loop is a loop).
 
     python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
+    python tools/compile_kernels.py --target cuda:90 --sass --hidden 2880 --intermediate 2880
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # kernels must be JIT functions, not interpreted
@@ -57,7 +65,7 @@ def _weights(E: int, H: int, I: int, dtype: torch.dtype, quantized: bool) -> MoE
                       torch.zeros(E, H, I, dtype=dtype), None, None)
 
 
-def record_launches(target: GPUTarget) -> list[tuple]:
+def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     """(kernel, args, meta) of every distinct launch the launch code makes for the cases."""
     launches: dict[tuple, tuple] = {}
 
@@ -70,7 +78,7 @@ def record_launches(target: GPUTarget) -> list[tuple]:
     launch.Launcher._launch = record
     mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
     try:
-        E, k, H, I = 4, 2, 64, 96
+        E, k = 4, 2
         # T = 1, 32, 200 at E=4, k=2: the three tile regimes of pick_config.
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for quantized in (True, False):
@@ -106,6 +114,26 @@ def compile_launch(kernel, args: tuple, meta: dict, target: GPUTarget):
                           options=options.__dict__)
 
 
+def loop_sass(cubin: bytes, top: int = 8) -> dict:
+    """Instruction count and most frequent opcodes of the longest loop (the span between a
+    backward branch and its target) in a CUDA binary, disassembled by Triton's nvdisasm."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(text) if re.match(r"^\.L_x_\d+:$", line)}
+    best: list[str] = []
+    for i, line in enumerate(text):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > len(best):
+            best = text[labels[m.group(1)]:i + 1]
+    ops = [re.sub(r"^@!?U?P[T0-9]\s+", "", re.sub(r"^.*?\*/\s*", "", line).strip()).split()[0].split(".")[0]
+           for line in best if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    return {"loop_instructions": len(ops), "top": collections.Counter(ops).most_common(top)}
+
+
 def _describe(kernel, args, meta) -> str:
     consts = {k: v for k, v in meta.items() if k not in _OPTIONS}
     dtypes = sorted({str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)})
@@ -116,21 +144,27 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", nargs="*", default=list(DEFAULT_TARGETS))
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--sass", action="store_true", help="SASS counts of the main loop (CUDA targets)")
+    p.add_argument("--hidden", type=int, default=64, help="H of the recorded MoE calls (e.g. 2880 for --sass)")
+    p.add_argument("--intermediate", type=int, default=96, help="I of the recorded MoE calls")
     a = p.parse_args(argv)
     failed = 0
     for text in a.target:
         target = parse_target(text)
-        for kernel, args, meta in record_launches(target):
+        for kernel, args, meta in record_launches(target, a.hidden, a.intermediate):
             row = {"target": text, "kernel": _describe(kernel, args, meta)}
             try:
                 compiled = compile_launch(kernel, args, meta, target)
                 row["shared"] = compiled.metadata.shared
+                if a.sass and target.backend == "cuda":
+                    row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so
                 failed += 1
                 row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-            print(json.dumps(row) if a.json else
-                  f"{text:11s} {'FAIL ' + row['error'] if 'error' in row else 'ok   smem ' + str(row['shared']):50s} {row['kernel']}",
-                  flush=True)
+            status = f"FAIL {row['error']}" if "error" in row else f"ok   smem {row['shared']}"
+            if "loop_instructions" in row:
+                status += f" loop {row['loop_instructions']} {dict(row['top'])}"
+            print(json.dumps(row) if a.json else f"{text:11s} {status:50s} {row['kernel']}", flush=True)
     return 1 if failed else 0
 
 
