@@ -23,11 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mxfx  # noqa: E402,F401  (registers torch.ops.mxfx)
-from mxfx.activation import GPT_OSS  # noqa: E402
 from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import launch, moe, routing  # noqa: E402
+from mxfx.oracle.shapes import SHAPES  # noqa: E402
 
-E, H, I, K = 128, 2880, 2880, 4
+SHAPE = SHAPES["gpt-oss-120b"]
+E, H, I, K = SHAPE.num_experts, SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.top_k
 
 
 def per_call_us(fn, calls: int, sync) -> float:
@@ -68,20 +69,21 @@ def main() -> None:
     x = torch.randn(args.T, H, device=dev).to(torch.bfloat16)
     tw, ids = torch.topk(torch.randn(args.T, E, device=dev).softmax(-1), K)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
-    pieces = {"fused_moe": lambda: moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())}
+    act = SHAPE.activation
+    pieces = {"fused_moe": lambda: moe.fused_moe(x, tw, ids, W, act, ActivationQuant())}
     if gpu:
         cfg = moe.pick_config(args.T * K, E)
         r = routing.align(ids, E, cfg.block_m)
         inter = torch.empty(args.T * K, I, dtype=x.dtype, device=dev)
         op = lambda: torch.ops.mxfx.moe(  # noqa: E731
             x, tw, ids, W.w13, W.w13_scale, W.w13_bias, W.w2, W.w2_scale, W.w2_bias,
-            "interleaved", 1.702, 1.0, 7.0, "none", "triton")
+            act.layout, act.alpha, act.beta, act.limit, "none", "triton")
         pieces = {
             "torch.ops.mxfx.moe": op,
             **pieces,
             "routing.align": lambda: routing.align(ids, E, cfg.block_m),
             "one GEMM launch": lambda: moe._gemm(x, K, W.w13, W.w13_scale, W.w13_bias, r, inter, I, H,
-                                                 cfg, block_n=cfg.block_n1, act=GPT_OSS),
+                                                 cfg, block_n=cfg.block_n1, act=act),
             "torch x.add_(0), for scale": lambda: x.add_(0),
         }
         graph = torch.cuda.CUDAGraph()
