@@ -247,6 +247,21 @@ def test_fused_other_tiles(kernel_device, monkeypatch, block_m, swap, split):
         assert _rel_err(out, ref) <= (1e-5 if case[-1] == torch.float32 else 3e-3)
 
 
+@pytest.mark.parametrize("split_k2", [2, 3])
+def test_fused_split_k(kernel_device, monkeypatch, split_k2):
+    """GEMM2's K range over 2 or 3 programs (with BLOCK_K 32 the float case's K=24 leaves
+    later splits empty, I=96 gives each split its own steps)."""
+    from mxfx.kernels import moe
+    from mxfx.kernels.activation import gated_activation
+
+    cfg = moe.GemmConfig(16, 32, 32, 32, 4, True, True, split_k2=split_k2)
+    monkeypatch.setattr(moe, "pick_config", lambda *a: cfg)
+    for case in (CASES[0], CASES[3], CASES[4]):
+        for fn in (fused_moe, lambda *a: unfused_moe(*a[:5], gated_activation)):
+            out, ref = _run_case(fn, case, kernel_device, seed=12)
+            assert _rel_err(out, ref) <= (1e-5 if case[-1] == torch.float32 else 3e-3)
+
+
 def test_act_quant_on_unaligned_layer_is_refused_before_any_backend():
     from mxfx.backends.triton import BACKEND as fused
     from mxfx.oracle import MoEConfig, Platform, supports

@@ -24,14 +24,16 @@ from mxfx.oracle.shapes import SHAPES  # noqa: E402
 SHAPE = SHAPES["gpt-oss-120b"]
 SETS = 8
 
-# (block_m, block_n1, block_n2, block_k, warps, swap, split) tried by --sweep, by rows per expert.
+# (block_m, block_n1, block_n2, block_k, warps, swap, split, split_k2) tried by --sweep, by
+# rows per expert.
 SWEEP = {
-    4: [(16, 32, 64, 128, 4, True, True), (16, 32, 64, 128, 4, False, True),
-        (16, 16, 32, 128, 4, True, True), (16, 32, 64, 64, 4, True, True)],
-    32: [(32, 64, 128, 64, 4, True, False), (32, 64, 128, 64, 4, True, True),
-         (32, 32, 64, 128, 4, True, True), (64, 64, 128, 64, 4, False, False)],
-    None: [(128, 64, 128, 64, 4, False, False), (128, 64, 128, 64, 8, False, False),
-           (128, 128, 128, 64, 8, False, False), (64, 64, 128, 64, 4, False, False)],
+    4: [(16, 32, 64, 128, 4, True, True, 1), (16, 32, 64, 128, 4, True, True, 2),
+        (16, 32, 64, 128, 4, True, False, 2), (16, 32, 64, 64, 4, True, True, 2),
+        (16, 64, 64, 128, 4, True, True, 2)],
+    32: [(32, 64, 128, 64, 4, True, False, 1), (32, 64, 128, 64, 4, True, True, 1),
+         (32, 64, 128, 128, 4, True, False, 1), (64, 64, 128, 64, 4, False, False, 1)],
+    None: [(128, 64, 128, 64, 4, False, False, 1), (128, 64, 128, 64, 8, False, False, 1),
+           (128, 128, 128, 64, 8, False, False, 1), (64, 64, 128, 64, 4, False, False, 1)],
 }
 
 

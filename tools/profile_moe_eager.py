@@ -4,9 +4,12 @@
 
 On a GPU: the median wall time of an eager ``torch.ops.mxfx.moe`` call (gpt-oss-120b shape,
 ``triton`` backend) against the same call replayed in a CUDA graph, then the host time of
-each piece (the op, ``fused_moe``, routing, one GEMM launch, a plain torch launch for scale).
-Without a GPU (or with ``--host-only``): the Python glue of ``fused_moe`` on CPU tensors with
-the kernel launches recorded instead of run. ``--profile`` adds a cProfile of the calls.
+each piece (the op, ``fused_moe``, routing, one GEMM launch, a plain torch launch for scale)
+on a tiny shape whose kernels take a few µs, so that back-to-back calls measure the host.
+Both with mxfx's direct kernel launches (:mod:`mxfx.kernels.launch`) on and off, in the same
+process. Without a GPU (or with ``--host-only``): the Python glue of ``fused_moe`` on CPU
+tensors with the kernel launches recorded instead of run. ``--profile`` adds a cProfile of
+the op's host path.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from mxfx.kernels import launch, moe, routing  # noqa: E402
 from mxfx.oracle.shapes import SHAPES  # noqa: E402
 
 SHAPE = SHAPES["gpt-oss-120b"]
-E, H, I, K = SHAPE.num_experts, SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.top_k
+ACT = SHAPE.activation
 
 
 def per_call_us(fn, calls: int, sync) -> float:
@@ -46,18 +49,8 @@ def per_call_us(fn, calls: int, sync) -> float:
     return statistics.median(batches)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--T", type=int, default=1)
-    ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--host-only", action="store_true", help="CPU tensors, launches recorded, not run")
-    ap.add_argument("--profile", action="store_true")
-    args = ap.parse_args()
-    gpu = torch.cuda.is_available() and not args.host_only
-    dev = "cuda" if gpu else "cpu"
-    if not gpu:
-        launch.Launcher._launch = lambda self, grid, a, meta: None
-    # Uninitialised weights: the host path does not look at the values.
+def problem(T: int, E: int, H: int, I: int, k: int, dev: str):
+    """Uninitialised MXFP4 weights (the host path does not look at the values), x, routing."""
     W = MoEWeights(
         torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, device=dev),
         torch.full((E, 2 * I, H // 32), 120, dtype=torch.uint8, device=dev),
@@ -66,43 +59,77 @@ def main() -> None:
         torch.full((E, H, I // 32), 120, dtype=torch.uint8, device=dev),
         torch.zeros(E, H, dtype=torch.bfloat16, device=dev),
     )
-    x = torch.randn(args.T, H, device=dev).to(torch.bfloat16)
-    tw, ids = torch.topk(torch.randn(args.T, E, device=dev).softmax(-1), K)
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    act = SHAPE.activation
-    pieces = {"fused_moe": lambda: moe.fused_moe(x, tw, ids, W, act, ActivationQuant())}
-    if gpu:
-        cfg = moe.pick_config(args.T * K, E)
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    tw, ids = torch.topk(torch.randn(T, E, device=dev).softmax(-1), k)
+    return W, x, tw.to(torch.bfloat16), ids
+
+
+def op_call(W, x, tw, ids):
+    return lambda: torch.ops.mxfx.moe(
+        x, tw, ids, W.w13, W.w13_scale, W.w13_bias, W.w2, W.w2_scale, W.w2_bias,
+        ACT.layout, ACT.alpha, ACT.beta, ACT.limit, "none", "triton")
+
+
+def pieces(T: int, E: int, H: int, I: int, k: int, dev: str) -> dict:
+    W, x, tw, ids = problem(T, E, H, I, k, dev)
+    out = {"fused_moe": lambda: moe.fused_moe(x, tw, ids, W, ACT, ActivationQuant())}
+    if dev == "cuda":
+        cfg = moe.pick_config(T * k, E)
         r = routing.align(ids, E, cfg.block_m)
-        inter = torch.empty(args.T * K, I, dtype=x.dtype, device=dev)
-        op = lambda: torch.ops.mxfx.moe(  # noqa: E731
-            x, tw, ids, W.w13, W.w13_scale, W.w13_bias, W.w2, W.w2_scale, W.w2_bias,
-            act.layout, act.alpha, act.beta, act.limit, "none", "triton")
-        pieces = {
-            "torch.ops.mxfx.moe": op,
-            **pieces,
+        inter = torch.empty(T * k, I, dtype=x.dtype, device=dev)
+        out = {
+            "torch.ops.mxfx.moe": op_call(W, x, tw, ids),
+            **out,
             "routing.align": lambda: routing.align(ids, E, cfg.block_m),
-            "one GEMM launch": lambda: moe._gemm(x, K, W.w13, W.w13_scale, W.w13_bias, r, inter, I, H,
-                                                 cfg, block_n=cfg.block_n1, act=act),
+            "one GEMM launch": lambda: moe._gemm(x, k, W.w13, W.w13_scale, W.w13_bias, r, inter, 0, I,
+                                                 H, cfg, block_n=cfg.block_n1, act=ACT),
+            "torch.empty": lambda: torch.empty(T * k, I, dtype=x.dtype, device=dev),
             "torch x.add_(0), for scale": lambda: x.add_(0),
         }
-        graph = torch.cuda.CUDAGraph()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--host-only", action="store_true", help="CPU tensors, launches recorded, not run")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available() and not args.host_only
+    E, H, I, k = SHAPE.num_experts, SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.top_k
+    if not gpu:
+        launch.Launcher._launch = lambda self, grid, a, meta: None
+        for name, fn in pieces(args.T, E, H, I, k, "cpu").items():
+            print(f"{name:28s} {per_call_us(fn, args.calls, lambda: None):8.1f} µs host (launches not run)")
+        return
+    sync = torch.cuda.synchronize
+    op = op_call(*problem(args.T, E, H, I, k, "cuda"))
+    graph = torch.cuda.CUDAGraph()
+    op()
+    with torch.cuda.graph(graph):
         op()
-        with torch.cuda.graph(graph):
-            op()
-        print(f"T={args.T}: eager {per_call_us(op, args.calls, sync):.1f} µs per call, "
-              f"CUDA graph replay {per_call_us(graph.replay, args.calls, sync):.1f} µs "
-              f"(fast launch {'on' if launch.ENABLED else 'off'})")
-    for name, fn in pieces.items():
-        print(f"{name:28s} {per_call_us(fn, args.calls, sync):8.1f} µs host" + ("" if gpu else " (launches not run)"))
+    tiny = pieces(args.T, 8, 128, 128, 2, "cuda")
+    rows = {}
+    for fast in (False, True):
+        launch.ENABLED = fast
+        rows[f"eager, gpt-oss-120b T={args.T}"] = rows.get(f"eager, gpt-oss-120b T={args.T}", []) + [
+            per_call_us(op, args.calls, sync)]
+        for name, fn in tiny.items():
+            rows[name] = rows.get(name, []) + [per_call_us(fn, args.calls, sync)]
+    print(f"CUDA graph replay, gpt-oss-120b T={args.T}: {per_call_us(graph.replay, args.calls, sync):.1f} µs")
+    print(f"{'host µs (tiny shape below)':34s} {'Triton launch':>14s} {'fast launch':>12s}")
+    for name, (slow, fast) in rows.items():
+        print(f"{name:34s} {slow:14.1f} {fast:12.1f}")
     if args.profile:
+        fn = tiny["torch.ops.mxfx.moe"]
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
-            next(iter(pieces.values()))()
+            fn()
         sync()
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

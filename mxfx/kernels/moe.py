@@ -13,9 +13,11 @@ finishes with one of the epilogues:
   work), rounded to x.dtype, MX quantize-dequantized
   per 32 columns under activation quantization, stored per pair: ``[T*k, I]``;
 - GEMM1, unfused: + bias, stored in x.dtype: ``[T*k, 2I]``;
-- GEMM2: + bias, × routing weight, stored in float32 per pair: ``[T*k, H]``.
+- GEMM2: + bias, × routing weight, stored in float32 per pair: ``[T*k, H]``, or with its K
+  range split over S programs (small T, where the grid is too small to keep the memory
+  system busy) S partial sums ``[S, T*k, H]``.
 
-The sum over the k slots is a separate pass over ``[T*k, H]`` that adds each token's slots
+The sum over the k slots (and the S partials) is a separate pass that adds each token's slots
 in slot order: deterministic (no atomics) and one rounding to x.dtype at the end, like the
 emulation backend.
 """
@@ -35,21 +37,28 @@ from mxfx.kernels.routing import Routing, align
 
 
 @triton.jit
-def _load_weights(w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_wk, stride_sn, stride_sk,
-                  W_MXFP4: tl.constexpr, BK: tl.constexpr):
-    """Raw weight tile of ``rows`` at K offset ``k0``: MXFP4 packed bytes ``[R, BK/2]`` and
-    scales ``[R, BK/32]``, or the float tile ``[R, BK]`` and a placeholder."""
+def _load_weights(w_base, s_base, rows, row_ok, k0, k_hi, stride_wn, stride_wk, stride_sn, stride_sk,
+                  W_MXFP4: tl.constexpr, WORDS: tl.constexpr, BK: tl.constexpr):
+    """Raw weight tile of ``rows`` at K offsets ``k0 + [0, BK)`` below ``k_hi``: MXFP4 packed
+    bytes ``[R, BK/2]`` (``WORDS``: as int32 words ``[R, BK/8]``, strides in bytes) and
+    scales ``[R, BK/32]`` (``k_hi`` a multiple of 32), or the float tile ``[R, BK]`` and a
+    placeholder."""
     if W_MXFP4:
-        kp = k0 // 2 + tl.arange(0, BK // 2)
         kg = k0 // 32 + tl.arange(0, BK // 32)
-        p = tl.load(w_base + rows[:, None] * stride_wn + kp[None, :] * stride_wk,
-                    mask=row_ok[:, None] & (kp < K // 2)[None, :], other=0)
+        if WORDS:
+            kw = k0 // 8 + tl.arange(0, BK // 8)
+            p = tl.load(w_base.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :],
+                        mask=row_ok[:, None] & (kw < k_hi // 8)[None, :], other=0)
+        else:
+            kp = k0 // 2 + tl.arange(0, BK // 2)
+            p = tl.load(w_base + rows[:, None] * stride_wn + kp[None, :] * stride_wk,
+                        mask=row_ok[:, None] & (kp < k_hi // 2)[None, :], other=0)
         s = tl.load(s_base + rows[:, None] * stride_sn + kg[None, :] * stride_sk,
-                    mask=row_ok[:, None] & (kg < K // 32)[None, :], other=127)
+                    mask=row_ok[:, None] & (kg < k_hi // 32)[None, :], other=127)
     else:
         kk = k0 + tl.arange(0, BK)
         p = tl.load(w_base + rows[:, None] * stride_wn + kk[None, :] * stride_wk,
-                    mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+                    mask=row_ok[:, None] & (kk < k_hi)[None, :], other=0.0)
         s = 0
     return p, s
 
@@ -74,25 +83,29 @@ def _dot(acc, a, w, SWAP: tl.constexpr, IEEE: tl.constexpr):
 def _mma(acc, a, p, s, W_MXFP4: tl.constexpr, PTX_UNPACK: tl.constexpr, IEEE: tl.constexpr,
          SWAP: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
          BK: tl.constexpr):
-    """One K step: ``acc += a [BM, BK] @ W.T`` for a weight tile from :func:`_load_weights`.
+    """One K step: ``acc += a [BM, BK] @ W.T`` for a weight tile from :func:`_load_weights`
+    (``PTX_UNPACK``: loaded as words).
 
-    MXFP4 unpacks into the elements at even and odd K offsets. ``SPLIT`` keeps them apart
-    and splits the activations to match (two MMAs, no interleave: cheaper when few rows
-    share the weights); otherwise they are interleaved back for one MMA over BK.
+    ``SPLIT`` unpacks MXFP4 into the elements at even and odd K offsets, kept apart, and
+    splits the activations to match (two MMAs, no interleave: cheaper when few rows share
+    the weights); otherwise one MMA over the whole tile.
     """
     if W_MXFP4:
-        if PTX_UNPACK:
-            even, odd = mx.mxfp4_dequant_halves_bf16(p, s, BW, BK)
-        else:
-            even, odd = mx.mxfp4_dequant_halves(p, s, BW, BK)
-        even = even.to(a.dtype)
-        odd = odd.to(a.dtype)
         if SPLIT:
+            if PTX_UNPACK:
+                even, odd = mx.mxfp4_words_bf16_halves(p, s, BW, BK)
+            else:
+                even, odd = mx.mxfp4_dequant_halves(p, s, BW, BK)
             a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
-            acc = _dot(acc, a_even, even, SWAP, IEEE)
-            acc = _dot(acc, a_odd, odd, SWAP, IEEE)
+            acc = _dot(acc, a_even, even.to(a.dtype), SWAP, IEEE)
+            acc = _dot(acc, a_odd, odd.to(a.dtype), SWAP, IEEE)
         else:
-            acc = _dot(acc, a, tl.reshape(tl.join(even, odd), (BW, BK)), SWAP, IEEE)
+            if PTX_UNPACK:
+                w = mx.mxfp4_words_bf16(p, s, BW, BK)
+            else:
+                even, odd = mx.mxfp4_dequant_halves(p, s, BW, BK)
+                w = tl.reshape(tl.join(even, odd), (BW, BK))
+            acc = _dot(acc, a, w.to(a.dtype), SWAP, IEEE)
     else:
         acc = _dot(acc, a, p.to(a.dtype), SWAP, IEEE)
     return acc
@@ -106,7 +119,7 @@ def _moe_gemm(
     bias_ptr, stride_be, stride_bn,
     rw_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr,
-    out_ptr, stride_om, stride_on,
+    out_ptr, stride_os, stride_om, stride_on,
     N, up_offset,
     alpha, beta, limit,
     K: tl.constexpr,
@@ -126,11 +139,17 @@ def _moe_gemm(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # Gated: the tile's weight rows alternate gate, up (BW = 2*BLOCK_N rows, one MMA), in
     # either layout; the epilogue splits the accumulator's columns back into the two.
     BW: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    # Split K: program ks sums K_SPLIT of the K range into its own partial output
+    # (out + ks * stride_os); the consumer adds the partials in a fixed order.
+    K_SPLIT: tl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K
     pid = tl.program_id(0)
+    ks = pid % SPLIT_K
+    pid = pid // SPLIT_K
     num_n = tl.cdiv(N, BLOCK_N)
     blk = pid // num_n
     expert = tl.load(block_expert_ptr + blk)
@@ -157,23 +176,27 @@ def _moe_gemm(
         acc = tl.zeros((BLOCK_M, BW), dtype=tl.float32)
     # The next K step's loads are issued before this step's unpack and MMA, so that their
     # latency hides behind the arithmetic (register double buffering).
+    k_lo = ks * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     kk = tl.arange(0, BLOCK_K)
-    a = tl.load(a_rows + kk[None, :] * stride_ak, mask=valid[:, None] & (kk < K)[None, :], other=0.0)
-    p, s = _load_weights(w_base, s_base, rows, row_ok, 0, K, stride_wn, stride_wk, stride_sn,
-                         stride_sk, W_MXFP4, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        kn = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-        a_next = tl.load(a_rows + kn[None, :] * stride_ak, mask=valid[:, None] & (kn < K)[None, :],
+    a = tl.load(a_rows + (k_lo + kk)[None, :] * stride_ak, mask=valid[:, None] & (k_lo + kk < k_hi)[None, :],
+                other=0.0)
+    p, s = _load_weights(w_base, s_base, rows, row_ok, k_lo, k_hi, stride_wn, stride_wk, stride_sn,
+                         stride_sk, W_MXFP4, PTX_UNPACK, BLOCK_K)
+    for i in range(0, K_SPLIT // BLOCK_K):
+        k0 = k_lo + i * BLOCK_K
+        kn = k0 + BLOCK_K + kk
+        a_next = tl.load(a_rows + kn[None, :] * stride_ak, mask=valid[:, None] & (kn < k_hi)[None, :],
                          other=0.0)
-        p_next, s_next = _load_weights(w_base, s_base, rows, row_ok, k0 + BLOCK_K, K, stride_wn,
-                                       stride_wk, stride_sn, stride_sk, W_MXFP4, BLOCK_K)
+        p_next, s_next = _load_weights(w_base, s_base, rows, row_ok, k0 + BLOCK_K, k_hi, stride_wn,
+                                       stride_wk, stride_sn, stride_sk, W_MXFP4, PTX_UNPACK, BLOCK_K)
         acc = _mma(acc, a, p, s, W_MXFP4, PTX_UNPACK, IEEE, SWAP, SPLIT, BLOCK_M, BW, BLOCK_K)
         a = a_next
         p = p_next
         s = s_next
 
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + e64 * stride_be + rows * stride_bn, mask=row_ok, other=0.0)
+        bias = tl.load(bias_ptr + e64 * stride_be + rows * stride_bn, mask=row_ok & (ks == 0), other=0.0)
         if SWAP:
             acc += bias.to(tl.float32)[:, None]
         else:
@@ -195,13 +218,13 @@ def _moe_gemm(
         # The next GEMM's input, quantized once here rather than in each of its programs.
         res = mx.qdq(res, AQ, AQ_ROUNDING, BLOCK_M, BLOCK_N)
     n = n0 + tl.arange(0, BLOCK_N)
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :] * stride_on
+    out = out_ptr + ks * stride_os + pairs.to(tl.int64)[:, None] * stride_om + n[None, :] * stride_on
     tl.store(out, res, mask=valid[:, None] & (n < N)[None, :])
 
 
 @triton.jit
-def _sum_slots(y_ptr, ids_ptr, out_ptr, H, num_experts, stride_ot, TOPK: tl.constexpr,
-               BLOCK_H: tl.constexpr):
+def _sum_slots(y_ptr, ids_ptr, out_ptr, H, num_experts, stride_ys, stride_ot, TOPK: tl.constexpr,
+               SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -210,7 +233,8 @@ def _sum_slots(y_ptr, ids_ptr, out_ptr, H, num_experts, stride_ot, TOPK: tl.cons
         pair = t * TOPK + j
         e = tl.load(ids_ptr + pair)
         routed = (e >= 0) & (e < num_experts)
-        acc += tl.load(y_ptr + pair * H + h, mask=h_ok & routed, other=0.0)
+        for ks in range(SPLIT_K):
+            acc += tl.load(y_ptr + ks * stride_ys + pair * H + h, mask=h_ok & routed, other=0.0)
     tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -226,6 +250,7 @@ class GemmConfig(NamedTuple):
     num_warps: int
     swap: bool  # weights as the MMA's left operand (see _dot)
     split: bool  # MXFP4 halves kept apart, two MMAs per K step (see _mma)
+    split_k2: int = 1  # GEMM2's K range split over this many programs (partials, fixed-order sum)
 
 
 def pick_config(num_pairs: int, num_experts: int) -> GemmConfig:
@@ -233,10 +258,14 @@ def pick_config(num_pairs: int, num_experts: int) -> GemmConfig:
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
     operand; once it is matrix-bound, large blocks with one MMA per K step."""
     rows = num_pairs / num_experts
+    if num_pairs <= 16:
+        # A few experts: GEMM2's grid (a few experts × H/64 columns) is smaller than two
+        # programs per SM, so its K range is split in two (T=1: 62.8 -> 58.1 µs).
+        return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
     if rows <= 4:
-        return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True)
+        return GemmConfig(16, 32, 64, 64, 4, swap=True, split=True, split_k2=2)
     if rows <= 32:
-        return GemmConfig(32, 64, 128, 64, 4, swap=True, split=False)
+        return GemmConfig(32, 64, 128, 64, 4, swap=True, split=True)
     return GemmConfig(128, 64, 128, 64, 4, swap=False, split=False)
 
 
@@ -248,11 +277,13 @@ def _gemm(
     bias: Optional[torch.Tensor],
     routing: Routing,
     out: torch.Tensor,
+    out_split_stride: int,
     n_out: int,
     k_in: int,
     cfg: GemmConfig,
     *,
     block_n: int,
+    split_k: int = 1,
     act: Optional[GatedActivation] = None,
     route_weights: Optional[torch.Tensor] = None,
     aq: ActivationQuant = ActivationQuant(),
@@ -265,7 +296,7 @@ def _gemm(
     interleaved = gated and act.layout == "interleaved"
     limit = act.limit if gated and act.limit is not None else 0.0
     num_blocks = routing.block_expert.numel()
-    grid = (num_blocks * cdiv(n_out, block_n),)
+    grid = (num_blocks * cdiv(n_out, block_n) * split_k,)
     b_strides = b.stride()
     _GEMM[grid](
         a, *a.stride(),
@@ -274,7 +305,7 @@ def _gemm(
         b, b_strides[0], b_strides[-1],
         rw,
         routing.sorted_pairs, routing.block_expert, routing.block_rows,
-        out, *out.stride(),
+        out, out_split_stride, *out.stride()[-2:],
         n_out, (1 if interleaved else n_out) if gated else 0,
         float(act.alpha) if gated else 1.0, float(act.beta) if gated else 0.0, float(limit),
         K=k_in,
@@ -288,12 +319,13 @@ def _gemm(
         AQ=mx.FMT_CODES[aq.fmt],
         AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
         IEEE=a.dtype == torch.float32,
-        PTX_UNPACK=quantized and mx.ptx_unpack(a.dtype, a.device),
+        PTX_UNPACK=quantized and mx.ptx_unpack(a.dtype, a.device) and mx.word_loadable(w),
         SWAP=cfg.swap,
         SPLIT=cfg.split,
         BLOCK_M=cfg.block_m,
         BLOCK_N=block_n,
         BLOCK_K=cfg.block_k,
+        SPLIT_K=split_k,
         num_warps=cfg.num_warps,
         # The K loop double-buffers its loads by hand: Triton's pipeliner does not take
         # loads that are unpacked in registers before the MMA.
@@ -310,14 +342,15 @@ def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tupl
 def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg) -> torch.Tensor:
     T, H = x.shape
     num_pairs = routing.num_pairs
-    y = torch.empty(num_pairs, H, dtype=torch.float32, device=x.device)
-    _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, H, inter.shape[1],
-          cfg, block_n=cfg.block_n2, route_weights=topk_weights.reshape(-1))
+    y = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=x.device)
+    _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, y.stride(0), H,
+          inter.shape[1], cfg, block_n=cfg.block_n2, split_k=cfg.split_k2,
+          route_weights=topk_weights.reshape(-1))
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     block_h = min(1024, next_power_of_2(H))
     _SUM_SLOTS[(T, cdiv(H, block_h))](
-        y, topk_ids.reshape(-1), out, H, weights.num_experts, out.stride(0),
-        TOPK=topk_ids.shape[1], BLOCK_H=block_h,
+        y, topk_ids.reshape(-1), out, H, weights.num_experts, y.stride(0), out.stride(0),
+        TOPK=topk_ids.shape[1], SPLIT_K=cfg.split_k2, BLOCK_H=block_h,
     )
     return out
 
@@ -333,7 +366,8 @@ def fused_moe(
     """``mxfx.moe`` on validated arguments: routing prep, GEMM1+activation, GEMM2, k-sum.
 
     Shapes as :func:`mxfx.backends.emulation.moe`; returns ``[T, H]`` in ``x.dtype``.
-    Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[T*k, H]`` float32, and under
+    Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[S, T*k, H]`` float32 (S =
+    ``split_k2`` of :func:`pick_config`), and under
     activation quantization the quantize-dequantized ``x``.
     """
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
@@ -345,7 +379,7 @@ def fused_moe(
     # the intermediate in GEMM1's epilogue.
     x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
     inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
-    _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, inter_size,
+    _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
           H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
 
@@ -368,7 +402,7 @@ def unfused_moe(
     cfg = pick_config(T * k, weights.num_experts)
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
-    _gemm(x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, pre, 2 * inter_size, H,
+    _gemm(x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, pre, 0, 2 * inter_size, H,
           cfg, block_n=2 * cfg.block_n1)
     inter = gated_activation(pre, act)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)

@@ -1,7 +1,9 @@
 """MX arithmetic inside Triton kernels, mirroring :mod:`mxfx.formats` bit for bit.
 
-- :func:`mxfp4_dequant_halves` (portable, float32) and :func:`mxfp4_dequant_halves_bf16`
-  (PTX, CUDA sm_90+; :func:`ptx_unpack` chooses): MXFP4 weight unpack and scale in registers.
+- :func:`mxfp4_dequant_halves` (portable, float32 halves of bytes) and
+  :func:`mxfp4_words_bf16` / :func:`mxfp4_words_bf16_halves` (PTX on int32 words, CUDA
+  sm_90+; :func:`ptx_unpack` and :func:`word_loadable` choose): MXFP4 weight unpack and
+  scale in registers.
 - :func:`qdq`: quantize-dequantize an activation tile per 32-block along K, with the same
   shared-exponent rule (``floor`` / ``round_up`` / ``even``) and element rounding (E2M1 or
   E4M3, nearest even, saturating) as :func:`mxfx.formats.quantize_dequantize`.
@@ -62,61 +64,96 @@ def mxfp4_dequant_halves(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
     return lo, hi
 
 
-# 4 packed bytes ($4) → their 8 E2M1 values as bf16x2 words, times the bytes' bf16 scales
-# ($5: bytes 0-1, $6: bytes 2-3). prmt looks the high and low byte of each bf16 magnitude
-# up from 8-entry tables indexed by the 3 magnitude bits, a second prmt pairs them, and the
-# sign bit is moved in. Out: $0, $1 = elements 2i (low nibbles) of bytes 0-1, 2-3;
-# $2, $3 = elements 2i+1 (high nibbles). bf16x2 multiplies need sm_90.
-_PTX_UNPACK = tl.constexpr("""
-{
-.reg .b32 c0, c1, r4, hb, lb, e, o, s, th0, th1, tl0, tl1, z, sm;
-mov.b32 th0, 0x3F3F3F00;
-mov.b32 th1, 0x40404040;
-mov.b32 tl0, 0xC0800000;
-mov.b32 tl1, 0xC0804000;
-mov.b32 z, 0;
-mov.b32 sm, 0x80008000;
-and.b32 c0, $4, 0x7777;
-shr.b32 c1, $4, 16;
-and.b32 c1, c1, 0x7777;
-shl.b32 r4, $4, 4;
-prmt.b32 hb, th0, th1, c0;
-prmt.b32 lb, tl0, tl1, c0;
-prmt.b32 e, lb, hb, 0x6240;
-prmt.b32 o, lb, hb, 0x7351;
-prmt.b32 s, r4, z, 0x1000;
-lop3.b32 e, e, s, sm, 0xF8;
-prmt.b32 s, $4, z, 0x1000;
-lop3.b32 o, o, s, sm, 0xF8;
-mul.rn.bf16x2 $0, e, $5;
-mul.rn.bf16x2 $2, o, $5;
-prmt.b32 hb, th0, th1, c1;
-prmt.b32 lb, tl0, tl1, c1;
-prmt.b32 e, lb, hb, 0x6240;
-prmt.b32 o, lb, hb, 0x7351;
-prmt.b32 s, r4, z, 0x3020;
-lop3.b32 e, e, s, sm, 0xF8;
-prmt.b32 s, $4, z, 0x3020;
-lop3.b32 o, o, s, sm, 0xF8;
-mul.rn.bf16x2 $1, e, $6;
-mul.rn.bf16x2 $3, o, $6;
-}
-""")
+def _ptx_unpack_word(outputs: tuple[tuple[int, int, int], ...]) -> tl.constexpr:
+    """PTX for one int32 word ($4: 4 packed bytes, 8 E2M1 values) times a bf16x2 scale
+    ($5, the same scale in both halves) → four bf16x2 words $0..$3.
+
+    prmt looks the high and the low byte of each value's bf16 magnitude up from 8-entry
+    tables indexed by its 3 magnitude bits (bytes 0-1 of the word, then bytes 2-3), a second
+    prmt pairs two of those values into one output, a third gathers the two sign bits, which
+    lop3 moves in; one bf16x2 multiply scales (exact: at most 2 mantissa bits times a power
+    of two). ``outputs[i] = (bytes, pair, signs)``: ``bytes`` 0 or 1 for bytes 0-1 or 2-3,
+    ``pair`` the prmt selector over (low-byte table, high-byte table) results, ``signs``
+    the prmt selector over (word << 4, word) putting the two sign bits at bits 15 and 31.
+    bf16x2 multiplies need sm_90.
+    """
+    lines = [
+        "{",
+        ".reg .b32 c0, c1, r4, hb0, lb0, hb1, lb1, v, s, th0, tl0, tl1, sm;",
+        "mov.b32 th0, 0x3F3F3F00;", "mov.b32 tl0, 0xC0800000;", "mov.b32 tl1, 0xC0804000;",
+        "mov.b32 sm, 0x80008000;",
+        "and.b32 c0, $4, 0x7777;", "shr.b32 c1, $4, 16;", "and.b32 c1, c1, 0x7777;", "shl.b32 r4, $4, 4;",
+        "prmt.b32 hb0, th0, 0x40404040, c0;", "prmt.b32 lb0, tl0, tl1, c0;",
+        "prmt.b32 hb1, th0, 0x40404040, c1;", "prmt.b32 lb1, tl0, tl1, c1;",
+    ]
+    for i, (half, pair, signs) in enumerate(outputs):
+        lines += [f"prmt.b32 v, lb{half}, hb{half}, {pair:#06x};", f"prmt.b32 s, r4, $4, {signs:#06x};",
+                  "lop3.b32 v, v, s, sm, 0xF8;", f"mul.rn.bf16x2 ${i}, v, $5;"]
+    return tl.constexpr("\n".join(lines + ["}"]))
+
+
+# Values in K order: out i = elements 2i, 2i+1 (the two nibbles of byte i).
+_PTX_PAIRS = _ptx_unpack_word(((0, 0x5140, 0x4000), (0, 0x7362, 0x5010), (1, 0x5140, 0x6020),
+                               (1, 0x7362, 0x7030)))
+# Halves: $0, $1 = the even elements (low nibbles) of bytes 0-1, 2-3; $2, $3 = the odd ones.
+_PTX_HALVES = _ptx_unpack_word(((0, 0x6240, 0x1000), (1, 0x6240, 0x3020), (0, 0x7351, 0x5040),
+                                (1, 0x7351, 0x7060)))
 
 
 @triton.jit
-def mxfp4_dequant_halves_bf16(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
-    """:func:`mxfp4_dequant_halves` in bfloat16 through PTX byte permutes and bf16x2
-    multiplies (CUDA sm_90+): about 3 instructions per weight instead of about 9.
-    Bit-identical to it after rounding to bf16."""
+def _scale_words(scales, BN: tl.constexpr, BK: tl.constexpr):
+    """E8M0 ``uint8 [BN, BK/32]`` → int32 ``[BN, BK/8]``: each word's scale as bf16x2 bits
+    ``2^(s-127)`` in both halves (s = 0 is the bf16 subnormal 2^-127, 0xFF → NaN)."""
     si = scales.to(tl.int32)
-    # E8M0 → bf16 bits: 2^(s-127) (s = 0 is the bf16 subnormal 2^-127), 0xFF → NaN.
-    sb = tl.where(si == 0, 0x40, tl.where(si == 255, 0x7FC0, si << 7)).to(tl.int16)
-    sb = tl.broadcast_to(sb.to(tl.bfloat16, bitcast=True)[:, :, None], (BN, BK // 32, 16))
-    sb = tl.reshape(sb, (BN, BK // 2))
-    even, odd = tl.inline_asm_elementwise(_PTX_UNPACK, "=r,=r,=r,=r,r,r,r", [packed, sb],
-                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return even, odd
+    sb = tl.where(si == 0, 0x40, tl.where(si == 255, 0x7FC0, si << 7))
+    sb = sb | (sb << 16)
+    return tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
+
+
+@triton.jit
+def _bf16x2(w):
+    """int32 bf16x2 bits → (low, high) bfloat16."""
+    return w.to(tl.int16).to(tl.bfloat16, bitcast=True), (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _join4(a, b, c, d, BN: tl.constexpr, N: tl.constexpr):
+    """``[BN, N/4]`` ×4 → ``[BN, N]`` with a, b, c, d at offsets 4i, 4i+1, 4i+2, 4i+3."""
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (BN, N))
+
+
+@triton.jit
+def mxfp4_words_bf16(words, scales, BN: tl.constexpr, BK: tl.constexpr):
+    """MXFP4 as int32 ``words [BN, BK/8]`` (4 packed bytes each, element 2i in byte i's low
+    nibble) with scales ``uint8 [BN, BK/32]`` → the bfloat16 tile ``[BN, BK]`` (CUDA sm_90+,
+    PTX): about 3 instructions per weight, bit-identical to :func:`mxfp4_dequant_halves`
+    rounded to bf16. Loading words rather than bytes spares repacking bytes into registers."""
+    p0, p1, p2, p3 = tl.inline_asm_elementwise(_PTX_PAIRS, "=r,=r,=r,=r,r,r",
+                                               [words, _scale_words(scales, BN, BK)],
+                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                               is_pure=True, pack=1)
+    a0, b0 = _bf16x2(p0)
+    a1, b1 = _bf16x2(p1)
+    a2, b2 = _bf16x2(p2)
+    a3, b3 = _bf16x2(p3)
+    even = _join4(a0, a1, a2, a3, BN, BK // 2)
+    odd = _join4(b0, b1, b2, b3, BN, BK // 2)
+    return tl.reshape(tl.join(even, odd), (BN, BK))
+
+
+@triton.jit
+def mxfp4_words_bf16_halves(words, scales, BN: tl.constexpr, BK: tl.constexpr):
+    """:func:`mxfp4_words_bf16` as the halves of :func:`mxfp4_dequant_halves`: ``(even, odd)``
+    bfloat16 ``[BN, BK/2]``, the elements at K offsets 2i and 2i+1."""
+    e01, e23, o01, o23 = tl.inline_asm_elementwise(_PTX_HALVES, "=r,=r,=r,=r,r,r",
+                                                   [words, _scale_words(scales, BN, BK)],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                                   is_pure=True, pack=1)
+    e0, e1 = _bf16x2(e01)
+    e2, e3 = _bf16x2(e23)
+    o0, o1 = _bf16x2(o01)
+    o2, o3 = _bf16x2(o23)
+    return _join4(e0, e1, e2, e3, BN, BK // 2), _join4(o0, o1, o2, o3, BN, BK // 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,10 +162,18 @@ def _has_bf16x2_ptx(device: torch.device) -> bool:
 
 
 def ptx_unpack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether MXFP4 weights for ``dtype`` operands on ``device`` are unpacked by
-    :func:`mxfp4_dequant_halves_bf16` (bf16 on CUDA sm_90+) rather than the portable
-    :func:`mxfp4_dequant_halves`."""
+    """Whether MXFP4 weights for ``dtype`` operands on ``device`` can be unpacked by
+    :func:`mxfp4_words_bf16` (bf16 on CUDA sm_90+) rather than the portable
+    :func:`mxfp4_dequant_halves`; the packed bytes must also load as words
+    (:func:`word_loadable`)."""
     return dtype == torch.bfloat16 and device.type == "cuda" and _has_bf16x2_ptx(device)
+
+
+def word_loadable(packed: torch.Tensor) -> bool:
+    """Whether packed MXFP4 bytes (K last, contiguous) can be read as aligned int32 words:
+    4-byte aligned start and every other stride a multiple of 4 bytes."""
+    return (packed.stride(-1) == 1 and packed.data_ptr() % 4 == 0
+            and all(st % 4 == 0 for st in packed.stride()[:-1]))
 
 
 @triton.jit
@@ -239,16 +284,19 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even")
 def _dequant_kernel(p_ptr, s_ptr, out_ptr, M, K, PTX: tl.constexpr, BM: tl.constexpr,
                     BK: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    kp = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
     kg = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
     r_ok = (rows < M)[:, None]
-    p = tl.load(p_ptr + rows[:, None] * (K // 2) + kp[None, :], mask=r_ok & (kp < K // 2)[None, :], other=0)
     s = tl.load(s_ptr + rows[:, None] * (K // 32) + kg[None, :], mask=r_ok & (kg < K // 32)[None, :], other=127)
     if PTX:
-        even, odd = mxfp4_dequant_halves_bf16(p, s, BM, BK)
+        kw = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)
+        words = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + kw[None, :],
+                        mask=r_ok & (kw < K // 8)[None, :], other=0)
+        v = mxfp4_words_bf16(words, s, BM, BK)
     else:
+        kp = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
+        p = tl.load(p_ptr + rows[:, None] * (K // 2) + kp[None, :], mask=r_ok & (kp < K // 2)[None, :], other=0)
         even, odd = mxfp4_dequant_halves(p, s, BM, BK)
-    v = tl.reshape(tl.join(even, odd), (BM, BK))
+        v = tl.reshape(tl.join(even, odd), (BM, BK))
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     tl.store(out_ptr + rows[:, None] * K + k[None, :], v.to(out_ptr.dtype.element_ty),
              mask=r_ok & (k < K)[None, :])
@@ -271,8 +319,9 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torc
     K = half * 2
     out = torch.empty(M, K, dtype=out_dtype, device=packed.device)
     bm, bk = 16, 64
+    packed = packed.contiguous()
     if M and K:
         _DEQUANT[(cdiv(M, bm), cdiv(K, bk))](
-            packed.contiguous(), scales.contiguous(), out, M, K,
-            PTX=ptx_unpack(out_dtype, packed.device), BM=bm, BK=bk)
+            packed, scales.contiguous(), out, M, K,
+            PTX=ptx_unpack(out_dtype, packed.device) and word_loadable(packed), BM=bm, BK=bk)
     return out
