@@ -25,5 +25,6 @@ def test_every_kernel_compiles_for(target):
     failed = [f"{row['kernel']}: {row['error']}" for row in rows if "error" in row]
     assert not failed, "\n".join(failed)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {row["kernel"].split()[0] for row in rows} == KERNELS
+    # The Hopper kernel is compiled for sm_90 only (wgmma), and the launch code chooses it there.
+    assert {row["kernel"].split()[0] for row in rows} == KERNELS | ({"_moe_gemm_sm90"} if target == "cuda:90" else set())
     assert len(rows) > 50  # MoE GEMM variants: dtypes, weight kinds, tile regimes, epilogues

@@ -307,10 +307,11 @@ def test_launcher_passes_the_arguments_as_triton_does():
     from triton.runtime import JITFunction
     from triton.runtime.jit import create_function_from_signature
 
-    from mxfx.kernels import moe
+    from mxfx.kernels import moe, moe_sm90
     from mxfx.kernels.launch import Launcher
 
-    for kernel in (moe._moe_gemm, moe._sum_slots, routing._place_kernel, routing._count_kernel):
+    for kernel in (moe._moe_gemm, moe._sum_slots, routing._place_kernel, routing._count_kernel,
+                   moe_sm90._moe_gemm_sm90):
         jit = JITFunction(kernel.fn)
         launcher = Launcher(jit)
         binder = create_function_from_signature(jit.signature, jit.params, CUDABackend)

@@ -1,5 +1,6 @@
-"""The PTX MXFP4 unpack of :mod:`mxfx.kernels.mx` on CPU, through a small interpreter of the
-instructions it uses (mov, and, shr, shl, prmt, lop3, mul.rn.bf16x2) on numpy arrays:
+"""The PTX MXFP4 unpacks of :mod:`mxfx.kernels.mx` and :mod:`mxfx.kernels.moe_sm90` on CPU,
+through a small interpreter of the instructions they use (mov, and, shifts, prmt, lop3, integer
+multiply-add and max, mul.rn.bf16x2) on numpy arrays:
 
 - the PTX text alone against :func:`mxfx.formats.dequantize`, every nibble and edge scale;
 - plugged into the Triton interpreter (which cannot run inline assembly), the kernels' whole
@@ -22,7 +23,7 @@ from mxfx.backends import emulation
 from mxfx.backends.base import ActivationQuant, MoEWeights
 
 triton = pytest.importorskip("triton")
-from mxfx.kernels import moe, mx  # noqa: E402
+from mxfx.kernels import moe, moe_sm90, mx  # noqa: E402
 
 U32 = np.uint32
 
@@ -63,7 +64,11 @@ _OPS = {
     "mov.b32": lambda v: v[0],
     "and.b32": lambda v: v[0] & v[1],
     "shr.b32": lambda v: v[0] >> v[1],
+    "shr.u32": lambda v: v[0] >> v[1],
     "shl.b32": lambda v: v[0] << v[1],
+    "mad.lo.u32": lambda v: v[0] * v[1] + v[2],
+    "max.u32": lambda v: np.maximum(v[0], v[1]),
+    "mul.lo.u32": lambda v: v[0] * v[1],
     "prmt.b32": lambda v: _prmt(*v),
     "lop3.b32": lambda v: _lop3(*v),
     "mul.rn.bf16x2": lambda v: _mul_bf16x2(*v),
@@ -90,24 +95,27 @@ def _bf16_bits(x: torch.Tensor) -> np.ndarray:
     return (x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int32) & 0xFFFF).astype(U32)
 
 
-@pytest.mark.parametrize("name", ["_PTX_PAIRS", "_PTX_HALVES"])
+@pytest.mark.parametrize("name", ["_PTX_PAIRS", "_PTX_HALVES", "moe_sm90"])
 def test_ptx_text_matches_formats(name):
     g = torch.Generator().manual_seed(0)
-    n = 512
+    n = 1024
     packed = torch.randint(0, 256, (n, 16), generator=g, dtype=torch.uint8)
     packed[:16, :4] = (torch.arange(16, dtype=torch.uint8) * 17)[:, None]  # every nibble value
-    scales = torch.randint(110, 140, (n, 1), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (n, 1), generator=g, dtype=torch.uint8)
     scales[:4, 0] = torch.tensor([0, 255, 1, 254], dtype=torch.uint8)
     # A word's 4 bytes lead a 32-block: the kernels give a word one scale.
     ref = _bf16_bits(formats.dequantize(packed, scales, "mxfp4", torch.bfloat16)[:, :8])
     word = packed[:, :4].contiguous().view(torch.int32).numpy()[:, 0].view(U32)
     s = scales[:, 0].numpy().astype(U32)
-    sb = np.where(s == 0, U32(0x40), np.where(s == 255, U32(0x7FC0), s << U32(7)))
-    out = run_ptx(getattr(mx, name).value, {"$4": word, "$5": sb | (sb << U32(16))})
+    if name == "moe_sm90":  # the scale byte itself, and the two table words the kernel passes
+        out = run_ptx(moe_sm90._UNPACK.value, {"$4": word, "$12": s, "$20": U32(0xC0800000), "$28": U32(0x40403F00)})
+    else:
+        sb = np.where(s == 0, U32(0x40), np.where(s == 255, U32(0x7FC0), s << U32(7)))
+        out = run_ptx(getattr(mx, name).value, {"$4": word, "$5": sb | (sb << U32(16))})
     got = np.stack([(out[f"${i}"] >> U32(sh)) & U32(0xFFFF) for i in range(4) for sh in (0, 16)], axis=1)
-    # PAIRS: $i = elements 2i, 2i+1; HALVES: $0, $1 = even elements of bytes 0-1, 2-3, then odd.
-    want = ref if name == "_PTX_PAIRS" else ref[:, [0, 2, 4, 6, 1, 3, 5, 7]]
-    nan = (want & 0x7F80) == 0x7F80
+    # Pairs: $i = elements 2i, 2i+1; halves: $0, $1 = even elements of bytes 0-1, 2-3, then odd.
+    want = ref[:, [0, 2, 4, 6, 1, 3, 5, 7]] if name == "_PTX_HALVES" else ref
+    nan = ((want & 0x7F80) == 0x7F80) & ((want & 0x7F) != 0)
     assert ((got & 0x7F80) == 0x7F80)[nan].all() and ((got & 0x7F) != 0)[nan].all()  # NaN stays NaN
     np.testing.assert_array_equal(got[~nan], want[~nan])
 

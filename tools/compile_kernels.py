@@ -32,13 +32,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mxfx.activation import GPT_OSS, SILU_AND_MUL, minimax_m3  # noqa: E402
 from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
-from mxfx.kernels import activation, launch, moe, mx, routing  # noqa: E402
+from mxfx.kernels import activation, launch, moe, moe_sm90, mx, routing  # noqa: E402
 
 DEFAULT_TARGETS = ("cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950")
 _OPTIONS = ("num_warps", "num_stages", "debug")
@@ -74,9 +75,10 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
         launches.setdefault(key, (self._kernel, args, meta))
 
     ptx = target.backend == "cuda" and target.arch >= 90
-    saved = launch.Launcher._launch, mx.ptx_unpack
+    saved = launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on
     launch.Launcher._launch = record
     mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
+    moe_sm90.runs_on = lambda device: target.backend == "cuda" and target.arch == 90
     try:
         E, k = 4, 2
         # T = 1, 32, 200 at E=4, k=2: the three tile regimes of pick_config.
@@ -100,7 +102,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
     finally:
-        launch.Launcher._launch, mx.ptx_unpack = saved
+        launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on = saved
     return list(launches.values())
 
 
@@ -110,7 +112,8 @@ def compile_launch(kernel, args: tuple, meta: dict, target: GPUTarget):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **meta)
     options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=target,
                           options=options.__dict__)
 
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from mxfx.activation import GatedActivation
 from mxfx.backends.base import ActivationQuant, MoEWeights
-from mxfx.kernels import mx
+from mxfx.kernels import moe_sm90, mx
 from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 from mxfx.kernels.routing import Routing, align
 
@@ -251,6 +251,8 @@ class GemmConfig(NamedTuple):
     swap: bool  # weights as the MMA's left operand (see _dot)
     split: bool  # MXFP4 halves kept apart, two MMAs per K step (see _mma)
     split_k2: int = 1  # GEMM2's K range split over this many programs (partials, fixed-order sum)
+    num_stages: int = 1  # Triton's software pipelining of the K loop (1: off)
+    sm90: bool = False  # the Hopper kernel (mxfx.kernels.moe_sm90) where the call allows it
 
 
 def pick_config(num_pairs: int, num_experts: int) -> GemmConfig:
@@ -261,11 +263,11 @@ def pick_config(num_pairs: int, num_experts: int) -> GemmConfig:
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is smaller than two
         # programs per SM, so its K range is split in two (T=1: 62.8 -> 58.1 µs).
-        return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
+        return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2, sm90=True)
     if rows <= 4:
-        return GemmConfig(16, 32, 64, 64, 4, swap=True, split=True, split_k2=2)
+        return GemmConfig(16, 32, 64, 64, 4, swap=True, split=True, split_k2=2, sm90=True)
     if rows <= 32:
-        return GemmConfig(32, 64, 128, 64, 4, swap=True, split=True)
+        return GemmConfig(32, 64, 128, 64, 4, swap=True, split=True, sm90=True)
     return GemmConfig(128, 64, 128, 64, 4, swap=False, split=False)
 
 
@@ -296,9 +298,8 @@ def _gemm(
     interleaved = gated and act.layout == "interleaved"
     limit = act.limit if gated and act.limit is not None else 0.0
     num_blocks = routing.block_expert.numel()
-    grid = (num_blocks * cdiv(n_out, block_n) * split_k,)
     b_strides = b.stride()
-    _GEMM[grid](
+    args = (
         a, *a.stride(),
         w, *w.stride(),
         s, *s.stride(),
@@ -308,14 +309,27 @@ def _gemm(
         out, out_split_stride, *out.stride()[-2:],
         n_out, (1 if interleaved else n_out) if gated else 0,
         float(act.alpha) if gated else 1.0, float(act.beta) if gated else 0.0, float(limit),
+    )
+    common = dict(
         K=k_in,
         A_ROW_DIV=a_row_div,
         GATED=gated,
         GATE_STRIDE=2 if interleaved else 1,
         HAS_LIMIT=gated and act.limit is not None,
-        W_MXFP4=quantized,
         HAS_BIAS=bias is not None,
         ROUTE_WEIGHT=route_weights is not None,
+    )
+    if cfg.sm90 and quantized and _sm90_fits(a, w, s, out, k_in, cfg.block_m):
+        block_n = 32 if gated else 64
+        moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
+            *args, **common, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
+            num_warps=4, num_stages=1)
+        if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
+            mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
+        return
+    _GEMM[(num_blocks * cdiv(n_out, block_n) * split_k,)](
+        *args, **common,
+        W_MXFP4=quantized,
         AQ=mx.FMT_CODES[aq.fmt],
         AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
         IEEE=a.dtype == torch.float32,
@@ -327,10 +341,17 @@ def _gemm(
         BLOCK_K=cfg.block_k,
         SPLIT_K=split_k,
         num_warps=cfg.num_warps,
-        # The K loop double-buffers its loads by hand: Triton's pipeliner does not take
-        # loads that are unpacked in registers before the MMA.
-        num_stages=1,
+        num_stages=cfg.num_stages,
     )
+
+
+def _sm90_fits(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, k_in: int,
+               block_m: int) -> bool:
+    """Whether :mod:`mxfx.kernels.moe_sm90` can run this GEMM: bf16 activations on a Hopper GPU,
+    MXFP4 readable as words, unit strides along K and N, K a multiple of 32."""
+    return (a.dtype == torch.bfloat16 and moe_sm90.runs_on(a.device) and mx.word_loadable(w)
+            and a.stride(-1) == 1 and s.stride(-1) == 1 and out.stride(-1) == 1 and k_in % 32 == 0
+            and block_m in (16, 32, 64, 128))
 
 
 def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tuple[int, int, int, int]:

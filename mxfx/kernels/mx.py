@@ -17,6 +17,7 @@ Triton emits for plain float32 multiplies and what PTX bf16x2 multiplies do.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -261,16 +262,18 @@ def _qdq_kernel(x_ptr, out_ptr, M, K, stride_m, FMT: tl.constexpr, ROUNDING: tl.
 _QDQ = Launcher(_qdq_kernel)
 
 
-def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even") -> torch.Tensor:
+def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even",
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`mxfx.formats.quantize_dequantize` of a 2-D ``x [M, K]`` (K a multiple of 32)
-    computed by :func:`qdq` in a Triton kernel; ``fmt`` is ``"mxfp8"`` or ``"mxfp4"``."""
+    computed by :func:`qdq` in a Triton kernel; ``fmt`` is ``"mxfp8"`` or ``"mxfp4"``.
+    ``out``: where to write (``x`` itself for in place; contiguous, x's shape and dtype)."""
     if fmt not in ("mxfp8", "mxfp4"):
         raise ValueError(f"fmt: got {fmt!r}, expected 'mxfp8' or 'mxfp4'")
     formats.check_scale_rounding(scale_rounding)
     if x.dim() != 2 or x.shape[1] % formats.BLOCK != 0:
         raise ValueError(f"x: expected [M, K] with K a multiple of 32, got shape {tuple(x.shape)}")
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     M, K = x.shape
     bm, bk = 16, 64
     grid = (cdiv(M, bm), cdiv(K, bk))

@@ -1,0 +1,327 @@
+"""The MoE GEMM for Hopper (sm_90) in Gluon, for MXFP4 weights and bfloat16 activations while
+few rows share each weight (small T), where the portable kernel of :mod:`mxfx.kernels.moe` is
+bound by its instruction count.
+
+:func:`_moe_gemm_sm90` takes the same runtime arguments as ``moe._moe_gemm`` and computes the
+same GEMM1 (gated or not) and GEMM2 epilogues, except activation quantization (the caller
+quantizes the intermediate afterwards). What differs is how the weights reach the tensor cores:
+
+- One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` (weights
+  as the wgmma's A operand, the block's activation rows as B in shared memory).
+- Each lane loads whole 16-byte, 32-K segments of its two fragment rows (one load and one
+  scale byte per row and segment) and unpacks every packed byte into one bf16x2 register that
+  *is* a wgmma A-fragment pair: no shared-memory round trip for the weights. That puts the
+  dot's K in a permuted order inside each K step; the activations are staged to shared
+  memory in the same order, so the sum is the same.
+- Gated tiles interleave gate and up rows by 8 so that one thread holds both halves of a
+  column (accumulator rows r and r+8).
+
+Loads are issued one K step ahead (register double buffering, unrolled by two so that the
+buffers rotate without copies); rows past N are clamped and never stored, so only the K tail
+(or, with split K, every step) is masked.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from mxfx.kernels.launch import Launcher
+
+# One int32 word (8 E2M1 values, the K pairs of bytes 0..3) and its E8M0 scale byte s → four
+# bf16x2 words, word j = (low nibble, high nibble) of byte j, times 2^(s-127). Two 8-entry byte
+# tables are looked up by prmt: the bf16's low byte from the magnitude bits (e1 e0 m), its high
+# byte from (sign, e1, e0|m), so the sign costs nothing extra. The tables' low words come in
+# registers ($20, $28): ptxas would otherwise copy an immediate before every prmt. Scale:
+# ((2s + [s == 255]) << 6 in both halves, the bracket from (513s + 1) >> 8), so 255 gives a
+# NaN mantissa; max(., 1) turns s = 0 into 0x0040 = 2^-127. pack=8 (elementwise asm has one
+# output per input element): each input comes in 8 copies ($4.., $12.., $20.., $28..), of which
+# only the first is read.
+_UNPACK = gl.constexpr("""
+{
+.reg .b32 a, b, t, ah, bh, l0, h0, l1, h1, r0, r1, r2, r3, x;
+and.b32 a, $4, 0x77777777;
+shr.u32 t, $4, 1;
+lop3.b32 b, t, $4, 0x11111111, 0xF8;
+and.b32 b, b, 0x77777777;
+shr.u32 ah, a, 16;
+shr.u32 bh, b, 16;
+prmt.b32 l0, $20, 0xC0804000, a;
+prmt.b32 h0, $28, 0xC0C0BF80, b;
+prmt.b32 l1, $20, 0xC0804000, ah;
+prmt.b32 h1, $28, 0xC0C0BF80, bh;
+prmt.b32 r0, l0, h0, 0x5140;
+prmt.b32 r1, l0, h0, 0x7362;
+prmt.b32 r2, l1, h1, 0x5140;
+prmt.b32 r3, l1, h1, 0x7362;
+mad.lo.u32 x, $12, 513, 1;
+shr.u32 x, x, 8;
+max.u32 x, x, 1;
+mul.lo.u32 x, x, 0x00400040;
+mul.rn.bf16x2 $0, r0, x;
+mul.rn.bf16x2 $1, r1, x;
+mul.rn.bf16x2 $2, r2, x;
+mul.rn.bf16x2 $3, r3, x;
+}
+""")
+_UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
+BW = 64  # weight rows per program: one warpgroup's wgmma M
+
+
+@gluon.constexpr_function
+def _log2(n):
+    assert n & (n - 1) == 0, n
+    return n.bit_length() - 1
+
+
+@gluon.constexpr_function
+def _w_layout(NI):
+    """``[64, NI, 4, 4, 8]`` (tile row, segment group i, lane c = segment c + 4i, word in the
+    segment, value in the word): a thread owns rows 16w + t/4 and +8 and its 4 words of a
+    segment are contiguous."""
+    reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [8, 0, 0, 0, 0]]
+    reg += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))]
+    lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
+    warp = [[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [64, NI, 4, 4, 8])
+
+
+@gluon.constexpr_function
+def _x_layout(BM, NI):
+    """``[BM, NI, 4, 4, 8]`` activations in natural K order (k = 128i + 32c + 8j + e), 8
+    contiguous bf16 (16 bytes) per thread."""
+    free = [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]]
+    free += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))] + [[1 << b, 0, 0, 0, 0] for b in range(_log2(BM))]
+    lane, rest = free[:5], free[5:]
+    warp, reg = rest[:2], rest[2:]
+    while len(warp) < 2:
+        warp.append([0, 0, 0, 0, 0])
+    return gl.DistributedLinearLayout([[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]] + reg, lane, warp, [],
+                                      [BM, NI, 4, 4, 8])
+
+
+@gluon.jit
+def _to_dot_order(v, R: gl.constexpr, BK: gl.constexpr):
+    """``[R, NI, 4, 4, 8]`` in natural K order (k = 128i + 32c + 8j + 2b + e, byte 4j + b)
+    → ``[R, BK]`` in the dot's order (k' = 128i + 32j + 16(b//2) + 8(b%2) + 2c + e)."""
+    v = gl.reshape(v, [R, BK // 128, 4, 4, 2, 2, 2])
+    v = gl.permute(v, [0, 1, 3, 4, 5, 2, 6])
+    return gl.reshape(v, [R, BK])
+
+
+@gluon.jit
+def _x3(v):
+    """``[R]`` → ``[R, 1, 1]``."""
+    return gl.expand_dims(gl.expand_dims(v, 1), 2)
+
+
+@gluon.jit
+def _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
+    """Weight words ``[64, NI, 4, 4]`` int32, scales ``[64, NI, 4]`` uint8, activations
+    ``[BM, NI, 4, 4, 8]`` of the K step at ``k0``; ``MASKED``: zeros from ``k_end`` on."""
+    if MASKED:
+        w = gl.load(w_rows + (k0 // 8 + wc), mask=k0 // 8 + wc < k_end // 8, other=0)
+        s = gl.load(s_rows + (k0 // 32 + sg), mask=k0 // 32 + sg < k_end // 32, other=127)
+        x = gl.load(x_rows + (k0 + xk), mask=k0 + xk < k_end, other=0.0)
+    else:
+        w = gl.load(w_rows + (k0 // 8 + wc))
+        s = gl.load(s_rows + (k0 // 32 + sg))
+        x = gl.load(x_rows + (k0 + xk))
+    return w, s, x
+
+
+@gluon.jit
+def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
+              A_L: gl.constexpr):
+    """Unpack one K step's weights into the wgmma A fragment, stage its activations in the
+    same K order, ``acc += W @ X^T``."""
+    z = gl.full([64, BLOCK_K // 128, 4, 4, 8], 0, gl.int32, layout=WL)
+    sb, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(s.to(gl.int32), 3), 4), z)
+    wb, _ = gl.broadcast(gl.expand_dims(w, 4), z)
+    tlo = z + tables
+    thi = z + (tables + 2143305472)  # 0x40403F00
+    v = gl.inline_asm_elementwise(_UNPACK, _UNPACK_CONSTRAINTS, [wb, sb, tlo, thi],
+                                  dtype=gl.bfloat16, is_pure=True, pack=8)
+    # The unpacked registers are the fragment already: the conversion must move nothing.
+    a = gl.convert_layout(_to_dot_order(v, 64, BLOCK_K), A_L, assert_trivial=True)
+    x_smem.store(_to_dot_order(x, BLOCK_M, BLOCK_K))
+    fence_async_shared()
+    gl.thread_barrier()
+    return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+
+
+@gluon.jit
+def _moe_gemm_sm90(
+    a_ptr, stride_am, stride_ak,
+    w_ptr, stride_we, stride_wn, stride_wk,
+    s_ptr, stride_se, stride_sn, stride_sk,
+    bias_ptr, stride_be, stride_bn,
+    rw_ptr,
+    sorted_ptr, block_expert_ptr, block_rows_ptr,
+    out_ptr, stride_os, stride_om, stride_on,
+    N, up_offset,
+    alpha, beta, limit,
+    K: gl.constexpr,
+    A_ROW_DIV: gl.constexpr,
+    GATED: gl.constexpr,
+    GATE_STRIDE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    ROUTE_WEIGHT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+):
+    # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
+    gl.static_assert(K % 32 == 0)
+    gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
+    BLOCK_N: gl.constexpr = 32 if GATED else 64
+    NI: gl.constexpr = BLOCK_K // 128
+    WL: gl.constexpr = _w_layout(NI)
+    XL: gl.constexpr = _x_layout(BLOCK_M, NI)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    X_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    W4: gl.constexpr = gl.SliceLayout(4, WL)  # words [64, NI, 4, 4]
+    W3: gl.constexpr = gl.SliceLayout(3, W4)  # scales [64, NI, 4]
+    W2: gl.constexpr = gl.SliceLayout(2, W3)
+    W1: gl.constexpr = gl.SliceLayout(1, W2)  # rows
+    X4: gl.constexpr = gl.SliceLayout(4, XL)
+    X3: gl.constexpr = gl.SliceLayout(3, X4)
+    X2: gl.constexpr = gl.SliceLayout(2, X3)
+    X1: gl.constexpr = gl.SliceLayout(1, X2)
+    # Split K: program ks sums K_SPLIT of the K range into its own partial output.
+    K_SPLIT: gl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K
+
+    pid = gl.program_id(0)
+    ks = pid % SPLIT_K
+    pid = pid // SPLIT_K
+    num_n = gl.cdiv(N, BLOCK_N)
+    blk = pid // num_n
+    expert = gl.load(block_expert_ptr + blk)
+    if expert < 0:
+        return
+    nrows = gl.load(block_rows_ptr + blk)
+    n0 = (pid % num_n) * BLOCK_N
+    e64 = expert.to(gl.int64)
+
+    # Tile row r: gated, column n0 + 8(r//16) + r%8, gate for (r//8) even, else up; otherwise
+    # column n0 + r. Columns past N are clamped onto N-1: loaded, never stored.
+    r = gl.arange(0, 64, layout=W1)
+    if GATED:
+        col = gl.minimum(n0 + 8 * (r // 16) + r % 8, N - 1)
+        wrow = col * GATE_STRIDE + ((r // 8) % 2) * up_offset
+    else:
+        wrow = gl.minimum(n0 + r, N - 1)
+    s_rows = _x3(s_ptr + e64 * stride_se + wrow.to(gl.int64) * stride_sn)
+    w_rows = gl.expand_dims(_x3(w_ptr + e64 * stride_we + wrow.to(gl.int64) * stride_wn), 3)
+    w_rows = w_rows.to(gl.pointer_type(gl.int32), bitcast=True)
+    wi = gl.arange(0, NI, layout=gl.SliceLayout(0, W2))
+    wcc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
+    sg = gl.expand_dims(gl.expand_dims(wi * 4, 0), 2) + gl.expand_dims(gl.expand_dims(wcc, 0), 1)  # [1, NI, 4]
+    wj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, W4))))
+    wc = gl.expand_dims(sg * 4, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(wj, 0), 1), 2)  # [1, NI, 4, 4]
+
+    # The block's activation rows (rows past block_rows read row 0 and are never stored).
+    m = gl.arange(0, BLOCK_M, layout=X1)
+    pairs_x = gl.load(sorted_ptr + blk * BLOCK_M + m, mask=m < nrows, other=0)
+    x_rows = gl.expand_dims(_x3(a_ptr + (pairs_x // A_ROW_DIV).to(gl.int64) * stride_am), 3)
+    x_rows = gl.expand_dims(x_rows, 4)
+    xi = gl.arange(0, NI, layout=gl.SliceLayout(0, X2))
+    xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+    xj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, X4))))
+    xe = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL)))))
+    xk = (gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xi * 128, 0), 2), 3), 4)
+          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xc * 32, 0), 1), 3), 4)
+          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xj * 8, 0), 1), 2), 4)
+          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xe, 0), 1), 2), 3))
+
+    x_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
+    x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
+    # The prmt table word 0xC0800000, made opaque and per thread (wrow >= 0, so the OR changes
+    # nothing) so that ptxas keeps it in a register rather than copying it from a uniform
+    # register before every prmt (~30 instructions per K step).
+    tables = gl.expand_dims(gl.expand_dims(_x3(-1065353216 | (wrow >> 31)), 3), 4)
+
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_end = K
+        NFULL: gl.constexpr = K // BLOCK_K  # unmasked steps; the last one is masked if K % BLOCK_K
+        NS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    else:
+        k_lo = ks * K_SPLIT
+        k_end = gl.minimum(k_lo + K_SPLIT, K)
+        NFULL: gl.constexpr = 0  # every step masked: the last split may end anywhere
+        NS: gl.constexpr = K_SPLIT // BLOCK_K
+    # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads are all unmasked.
+    ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
+    w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k_lo, k_end, NFULL == 0)
+    if NS > 1:
+        w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
+        for it in range(ITER):
+            k0 = k_lo + it * (2 * BLOCK_K)
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L)
+            w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
+            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L)
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
+    for j in gl.static_range(2 * ITER, NS):
+        if j % 2 == 0:
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L)
+        else:
+            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L)
+        if j + 1 < NS:
+            w0 = w1
+            s0 = s1
+            x0 = x1
+        if j + 2 < NS:
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k_lo + (j + 2) * BLOCK_K, k_end,
+                                    j + 2 >= NFULL)
+
+    # Epilogue in a plain layout: [BLOCK_N, BLOCK_M], a warp's lanes along N.
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
+    n_ok = n < N
+    mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
+    m_ok = mo < nrows
+    pairs = gl.load(sorted_ptr + blk * BLOCK_M + mo, mask=m_ok, other=0)
+    b_base = bias_ptr + e64 * stride_be
+    if GATED:
+        # Accumulator row 16q + 8u + p is column 8q + p of the gate (u = 0) or up (u = 1).
+        acc = gl.permute(gl.reshape(acc, [4, 2, 8, BLOCK_M]), [0, 2, 3, 1])
+        gate, up = gl.split(acc)
+        gate = gl.convert_layout(gl.reshape(gate, [BLOCK_N, BLOCK_M]), OL)
+        up = gl.convert_layout(gl.reshape(up, [BLOCK_N, BLOCK_M]), OL)
+        if HAS_BIAS:
+            g_rows = n * GATE_STRIDE
+            gate += gl.expand_dims(gl.load(b_base + g_rows * stride_bn, mask=n_ok, other=0.0).to(gl.float32), 1)
+            up += gl.expand_dims(gl.load(b_base + (g_rows + up_offset) * stride_bn, mask=n_ok,
+                                         other=0.0).to(gl.float32), 1)
+        if HAS_LIMIT:
+            gate = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+            up = gl.minimum(gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                            propagate_nan=tl.PropagateNan.ALL)
+        res = gate * (1.0 / (1.0 + gl.exp(-(alpha * gate)))) * (up + beta)
+    else:
+        res = gl.convert_layout(acc, OL)
+        if HAS_BIAS:
+            res += gl.expand_dims(gl.load(b_base + n * stride_bn, mask=n_ok & (ks == 0), other=0.0).to(gl.float32), 1)
+    if ROUTE_WEIGHT:
+        res = res * gl.expand_dims(gl.load(rw_ptr + pairs, mask=m_ok, other=0.0).to(gl.float32), 0)
+    out = out_ptr + ks * stride_os + gl.expand_dims(pairs.to(gl.int64) * stride_om, 0) + gl.expand_dims(n, 1)
+    gl.store(out, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok, 0) & gl.expand_dims(n_ok, 1))
+
+
+GEMM_SM90 = Launcher(_moe_gemm_sm90)
+BLOCK_K = 128
+
+
+@functools.lru_cache(maxsize=None)
+def runs_on(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (wgmma, CUDA sm_90)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
