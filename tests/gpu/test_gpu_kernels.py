@@ -23,8 +23,11 @@ def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
-def _poisoned(t: torch.Tensor, pad: int = 5) -> torch.Tensor:
-    """``t`` as a view into a larger CUDA buffer whose extra entries are NaN (0xFF for uint8)."""
+def _poisoned(t: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """``t`` as a view into a larger CUDA buffer whose extra entries are NaN (0xFF for uint8).
+    By default 5 extra per dimension, 16 for uint8 so that MXFP4 rows stay readable as int32
+    words (what the Hopper kernel needs; ``pad=5`` sends MXFP4 to the portable kernel)."""
+    pad = pad or (16 if t.dtype == torch.uint8 else 5)
     big = torch.empty(*(s + pad for s in t.shape), dtype=t.dtype, device="cuda")
     big.fill_(255 if t.dtype == torch.uint8 else float("nan"))
     view = big[tuple(slice(0, s) for s in t.shape)]
@@ -32,7 +35,7 @@ def _poisoned(t: torch.Tensor, pad: int = 5) -> torch.Tensor:
     return view
 
 
-def _weights(E, H, I, dtype, quantized=True, bias=True, seed=0, transposed=False) -> MoEWeights:
+def _weights(E, H, I, dtype, quantized=True, bias=True, seed=0, transposed=False, pad=0) -> MoEWeights:
     g = _gen(seed)
     w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5
     w2 = torch.randn(E, H, I, generator=g, device="cuda") / I**0.5
@@ -48,7 +51,7 @@ def _weights(E, H, I, dtype, quantized=True, bias=True, seed=0, transposed=False
         return MoEWeights(*parts)
     else:
         parts = (w13.to(dtype), None, b13, w2.to(dtype), None, b2)
-    return MoEWeights(*(None if p is None else _poisoned(p) for p in parts))
+    return MoEWeights(*(None if p is None else _poisoned(p, pad) for p in parts))
 
 
 def _inputs(T, H, E, k, dtype, seed, one_expert=False):
@@ -186,8 +189,7 @@ def test_backends_through_ops():
 def test_fast_launch_keys_on_alignment(monkeypatch):
     """Repeated launches reuse the compiled kernel; an input that is not 16-byte aligned gets
     a kernel specialized for it, and every result stays right."""
-    from mxfx.kernels import launch
-    from mxfx.kernels.launch import Launcher
+    from mxfx.kernels import launch, moe_sm90
 
     monkeypatch.setattr(launch, "ENABLED", True)
     E, H, I, k, T = 4, 352, 224, 2, 9
@@ -197,14 +199,47 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 != 0
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
-    gemm: Launcher = moe._GEMM
-    before = len(gemm._compiled)
+    launchers = (moe._GEMM, moe_sm90.GEMM_SM90)
+    before = [len(g._compiled) for g in launchers]
     for inp in (x, x, shifted, shifted, x):
         out = moe.fused_moe(inp, tw, ids, W, GPT_OSS, ActivationQuant())
         assert _rel_err(out, ref) <= 5e-3
-    keys = list(gemm._compiled)[before:]
+    keys = [key for g, n in zip(launchers, before) for key in list(g._compiled)[n:]]
     assert len(keys) == 3  # GEMM1 for the aligned and the shifted x; GEMM2 reads its own buffer
     assert {key[2][1] for key in keys} == {True, False}  # x's alignment is in the key
+
+
+@pytest.mark.parametrize(
+    "T,E,H,I,k,act",
+    [
+        (1, 8, 2880, 2880, 4, GPT_OSS),  # split-K GEMM2
+        (60, 8, 2880, 2880, 4, GPT_OSS),  # 32-row blocks
+        (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0)),  # halves layout
+        (40, 4, 224, 96, 2, SILU_AND_MUL),  # no limit; K = 224, 96 below one 128-step
+        (17, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0)),
+    ],
+)
+def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act):
+    """On Hopper, bf16 MXFP4 at small T runs :mod:`mxfx.kernels.moe_sm90` (fused and
+    unfused, and A8 through its separate quantize pass); weights not readable as words fall
+    back to the portable kernel. Both match emulation."""
+    from mxfx.kernels import moe_sm90
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    calls = []
+    launch = moe_sm90.GEMM_SM90._launch
+    monkeypatch.setattr(moe_sm90.GEMM_SM90, "_launch", lambda g, a, m: calls.append(m) or launch(g, a, m))
+    for fn in (moe.fused_moe, _unfused):
+        calls.clear()
+        _check(fn, T, E, H, I, k, torch.bfloat16, act)
+        assert len(calls) == 2
+    calls.clear()
+    _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
+    assert len(calls) == 2
+    calls.clear()
+    _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
+    assert not calls
 
 
 def test_expert_id_beyond_E_is_a_device_side_assert():
