@@ -69,7 +69,6 @@ mul.rn.bf16x2 $3, r3, x;
 }
 """)
 _UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
-BW = 64  # weight rows per program: one warpgroup's wgmma M
 
 
 @gluon.constexpr_function

@@ -124,19 +124,25 @@ def _join4(a, b, c, d, BN: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _unpack_words(asm: tl.constexpr, words, scales, BN: tl.constexpr, BK: tl.constexpr):
+    """The four bf16x2 outputs of ``asm`` on each word, as (low, high) bfloat16 halves."""
+    w0, w1, w2, w3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [words, _scale_words(scales, BN, BK)],
+                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                               is_pure=True, pack=1)
+    a0, b0 = _bf16x2(w0)
+    a1, b1 = _bf16x2(w1)
+    a2, b2 = _bf16x2(w2)
+    a3, b3 = _bf16x2(w3)
+    return a0, b0, a1, b1, a2, b2, a3, b3
+
+
+@triton.jit
 def mxfp4_words_bf16(words, scales, BN: tl.constexpr, BK: tl.constexpr):
     """MXFP4 as int32 ``words [BN, BK/8]`` (4 packed bytes each, element 2i in byte i's low
     nibble) with scales ``uint8 [BN, BK/32]`` → the bfloat16 tile ``[BN, BK]`` (CUDA sm_90+,
     PTX): about 3 instructions per weight, bit-identical to :func:`mxfp4_dequant_halves`
     rounded to bf16. Loading words rather than bytes spares repacking bytes into registers."""
-    p0, p1, p2, p3 = tl.inline_asm_elementwise(_PTX_PAIRS, "=r,=r,=r,=r,r,r",
-                                               [words, _scale_words(scales, BN, BK)],
-                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                               is_pure=True, pack=1)
-    a0, b0 = _bf16x2(p0)
-    a1, b1 = _bf16x2(p1)
-    a2, b2 = _bf16x2(p2)
-    a3, b3 = _bf16x2(p3)
+    a0, b0, a1, b1, a2, b2, a3, b3 = _unpack_words(_PTX_PAIRS, words, scales, BN, BK)
     even = _join4(a0, a1, a2, a3, BN, BK // 2)
     odd = _join4(b0, b1, b2, b3, BN, BK // 2)
     return tl.reshape(tl.join(even, odd), (BN, BK))
@@ -146,14 +152,7 @@ def mxfp4_words_bf16(words, scales, BN: tl.constexpr, BK: tl.constexpr):
 def mxfp4_words_bf16_halves(words, scales, BN: tl.constexpr, BK: tl.constexpr):
     """:func:`mxfp4_words_bf16` as the halves of :func:`mxfp4_dequant_halves`: ``(even, odd)``
     bfloat16 ``[BN, BK/2]``, the elements at K offsets 2i and 2i+1."""
-    e01, e23, o01, o23 = tl.inline_asm_elementwise(_PTX_HALVES, "=r,=r,=r,=r,r,r",
-                                                   [words, _scale_words(scales, BN, BK)],
-                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                                   is_pure=True, pack=1)
-    e0, e1 = _bf16x2(e01)
-    e2, e3 = _bf16x2(e23)
-    o0, o1 = _bf16x2(o01)
-    o2, o3 = _bf16x2(o23)
+    e0, e1, e2, e3, o0, o1, o2, o3 = _unpack_words(_PTX_HALVES, words, scales, BN, BK)
     return _join4(e0, e1, e2, e3, BN, BK // 2), _join4(o0, o1, o2, o3, BN, BK // 2)
 
 
