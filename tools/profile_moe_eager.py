@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mxfx  # noqa: E402,F401  (registers torch.ops.mxfx)
+import mxfx.ops  # noqa: E402  (registers torch.ops.mxfx)
 from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import launch, moe, routing  # noqa: E402
 from mxfx.oracle.shapes import SHAPES  # noqa: E402
@@ -64,8 +64,10 @@ def problem(T: int, E: int, H: int, I: int, k: int, dev: str):
     return W, x, tw.to(torch.bfloat16), ids
 
 
-def op_call(W, x, tw, ids):
-    return lambda: torch.ops.mxfx.moe(
+def op_call(W, x, tw, ids, fn=None):
+    """``torch.ops.mxfx.moe`` on these arguments, or ``fn`` (the op's Python body) on them."""
+    fn = fn or torch.ops.mxfx.moe
+    return lambda: fn(
         x, tw, ids, W.w13, W.w13_scale, W.w13_bias, W.w2, W.w2_scale, W.w2_bias,
         ACT.layout, ACT.alpha, ACT.beta, ACT.limit, "none", "triton")
 
@@ -79,6 +81,7 @@ def pieces(T: int, E: int, H: int, I: int, k: int, dev: str) -> dict:
         inter = torch.empty(T * k, I, dtype=x.dtype, device=dev)
         out = {
             "torch.ops.mxfx.moe": op_call(W, x, tw, ids),
+            "the op's body, no dispatcher": op_call(W, x, tw, ids, mxfx.ops.moe._init_fn),
             **out,
             "routing.align": lambda: routing.align(ids, E, cfg.block_m),
             "one GEMM launch": lambda: moe._gemm(x, k, W.w13, W.w13_scale, W.w13_bias, r, inter, 0, I,
