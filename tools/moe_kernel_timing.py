@@ -27,11 +27,12 @@ SETS = 8
 # GemmConfig fields (block_m, block_n1, block_n2, block_k, warps, swap, split, split_k2, sm90)
 # tried by --sweep, by rows per expert.
 SWEEP = {
-    4: [(16, 32, 64, 128, 4, True, True, 2, True), (16, 32, 64, 128, 8, True, True, 2, True),
-        (16, 32, 64, 128, 4, True, True, 1, True), (16, 32, 64, 128, 8, True, True, 1, True)],
-    32: [(32, 64, 128, 64, 4, True, True, 1, True), (32, 64, 128, 64, 8, True, True, 1, True),
-         (16, 64, 128, 64, 8, True, True, 1, True)],
-    None: [(128, 64, 128, 64, 4, False, False, 1, False)],
+    4: [(16, 32, 64, 64, 4, True, True, 1, False), (16, 32, 64, 128, 4, True, True, 2, True),
+        (16, 32, 64, 128, 4, True, True, 1, True), (32, 32, 64, 128, 4, True, True, 2, True)],
+    32: [(32, 64, 128, 64, 4, True, True, 1, False), (32, 64, 128, 64, 4, True, True, 1, True),
+         (16, 64, 128, 64, 4, True, True, 1, True), (64, 64, 128, 64, 4, True, True, 1, True)],
+    None: [(128, 64, 128, 64, 4, False, False, 1, False), (64, 64, 128, 64, 4, False, False, 1, True),
+           (128, 64, 128, 64, 4, False, False, 1, True), (32, 64, 128, 64, 4, False, False, 1, True)],
 }
 
 

@@ -323,11 +323,11 @@ def _gemm(
         HAS_BIAS=bias is not None,
         ROUTE_WEIGHT=route_weights is not None,
     )
-    if cfg.sm90 and quantized and _sm90_fits(a, w, s, out, k_in, cfg):
-        rows = 16 * cfg.num_warps  # weight rows per program
-        moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, rows // 2 if gated else rows) * split_k,)](
+    if cfg.sm90 and quantized and _sm90_fits(a, w, s, out, k_in, cfg.block_m):
+        block_n = 32 if gated else 64
+        moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
             *args, **common, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
-            WARPS=cfg.num_warps, num_warps=cfg.num_warps, num_stages=1)
+            num_warps=4, num_stages=1)
         if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
             mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
         return
@@ -352,12 +352,12 @@ def _gemm(
 
 
 def _sm90_fits(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, k_in: int,
-               cfg: GemmConfig) -> bool:
+               block_m: int) -> bool:
     """Whether :mod:`mxfx.kernels.moe_sm90` can run this GEMM: bf16 activations on a Hopper GPU,
     MXFP4 readable as words, unit strides along K and N, K a multiple of 32."""
     return (a.dtype == torch.bfloat16 and moe_sm90.runs_on(a.device) and mx.word_loadable(w)
             and a.stride(-1) == 1 and s.stride(-1) == 1 and out.stride(-1) == 1 and k_in % 32 == 0
-            and cfg.block_m in (16, 32, 64, 128) and cfg.num_warps in (4, 8))
+            and block_m in (16, 32, 64, 128))
 
 
 def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tuple[int, int, int, int]:

@@ -6,9 +6,8 @@ bound by its instruction count.
 same GEMM1 (gated or not) and GEMM2 epilogues, except activation quantization (the caller
 quantizes the intermediate afterwards). What differs is how the weights reach the tensor cores:
 
-- ``WARPS`` (4 or 8: one or two warpgroups) own 16 weight rows per warp; the accumulator is
-  ``[16·WARPS, BLOCK_M]`` (weights as the wgmma's A operand, the block's activation rows as B
-  in shared memory, staged once for all warpgroups).
+- One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` (weights
+  as the wgmma's A operand, the block's activation rows as B in shared memory).
 - Each lane loads whole 16-byte, 32-K segments of its two fragment rows (one load and one
   scale byte per row and segment) and unpacks every packed byte into one bf16x2 register that
   *is* a wgmma A-fragment pair: no shared-memory round trip for the weights. That puts the
@@ -79,26 +78,26 @@ def _log2(n):
 
 
 @gluon.constexpr_function
-def _w_layout(NI, WARPS):
-    """``[16·WARPS, NI, 4, 4, 8]`` (tile row, segment group i, lane c = segment c + 4i, word in
-    the segment, value in the word): a thread owns rows 16w + t/4 and +8 and its 4 words of a
+def _w_layout(NI):
+    """``[64, NI, 4, 4, 8]`` (tile row, segment group i, lane c = segment c + 4i, word in the
+    segment, value in the word): a thread owns rows 16w + t/4 and +8 and its 4 words of a
     segment are contiguous."""
     reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [8, 0, 0, 0, 0]]
     reg += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))]
     lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
-    warp = [[16 << b, 0, 0, 0, 0] for b in range(_log2(WARPS))]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * WARPS, NI, 4, 4, 8])
+    warp = [[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [64, NI, 4, 4, 8])
 
 
 @gluon.constexpr_function
-def _x_layout(BM, NI, WARPS):
+def _x_layout(BM, NI):
     """``[BM, NI, 4, 4, 8]`` activations in natural K order (k = 128i + 32c + 8j + e), 8
     contiguous bf16 (16 bytes) per thread."""
     free = [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]]
     free += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))] + [[1 << b, 0, 0, 0, 0] for b in range(_log2(BM))]
     lane, rest = free[:5], free[5:]
-    warp, reg = rest[:_log2(WARPS)], rest[_log2(WARPS):]
-    while len(warp) < _log2(WARPS):
+    warp, reg = rest[:2], rest[2:]
+    while len(warp) < 2:
         warp.append([0, 0, 0, 0, 0])
     return gl.DistributedLinearLayout([[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]] + reg, lane, warp, [],
                                       [BM, NI, 4, 4, 8])
@@ -121,7 +120,7 @@ def _x3(v):
 
 @gluon.jit
 def _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
-    """Weight words ``[BW, NI, 4, 4]`` int32, scales ``[BW, NI, 4]`` uint8, activations
+    """Weight words ``[64, NI, 4, 4]`` int32, scales ``[64, NI, 4]`` uint8, activations
     ``[BM, NI, 4, 4, 8]`` of the K step at ``k0``; ``MASKED``: zeros from ``k_end`` on."""
     if MASKED:
         w = gl.load(w_rows + (k0 // 8 + wc), mask=k0 // 8 + wc < k_end // 8, other=0)
@@ -135,11 +134,11 @@ def _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0, k_end, MASKED: gl.constex
 
 
 @gluon.jit
-def _mma_step(acc, w, s, x, x_smem, tables, BW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-              WL: gl.constexpr, A_L: gl.constexpr):
+def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
+              A_L: gl.constexpr):
     """Unpack one K step's weights into the wgmma A fragment, stage its activations in the
     same K order, ``acc += W @ X^T``."""
-    z = gl.full([BW, BLOCK_K // 128, 4, 4, 8], 0, gl.int32, layout=WL)
+    z = gl.full([64, BLOCK_K // 128, 4, 4, 8], 0, gl.int32, layout=WL)
     sb, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(s.to(gl.int32), 3), 4), z)
     wb, _ = gl.broadcast(gl.expand_dims(w, 4), z)
     tlo = z + tables
@@ -147,7 +146,7 @@ def _mma_step(acc, w, s, x, x_smem, tables, BW: gl.constexpr, BLOCK_M: gl.conste
     v = gl.inline_asm_elementwise(_UNPACK, _UNPACK_CONSTRAINTS, [wb, sb, tlo, thi],
                                   dtype=gl.bfloat16, is_pure=True, pack=8)
     # The unpacked registers are the fragment already: the conversion must move nothing.
-    a = gl.convert_layout(_to_dot_order(v, BW, BLOCK_K), A_L, assert_trivial=True)
+    a = gl.convert_layout(_to_dot_order(v, 64, BLOCK_K), A_L, assert_trivial=True)
     x_smem.store(_to_dot_order(x, BLOCK_M, BLOCK_K))
     fence_async_shared()
     gl.thread_barrier()
@@ -175,22 +174,19 @@ def _moe_gemm_sm90(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     SPLIT_K: gl.constexpr,
-    WARPS: gl.constexpr,
 ):
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
-    BW: gl.constexpr = 16 * WARPS
-    BLOCK_N: gl.constexpr = BW // 2 if GATED else BW
+    BLOCK_N: gl.constexpr = 32 if GATED else 64
     NI: gl.constexpr = BLOCK_K // 128
-    WL: gl.constexpr = _w_layout(NI, WARPS)
-    XL: gl.constexpr = _x_layout(BLOCK_M, NI, WARPS)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
+    WL: gl.constexpr = _w_layout(NI)
+    XL: gl.constexpr = _x_layout(BLOCK_M, NI)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     X_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
-    W4: gl.constexpr = gl.SliceLayout(4, WL)  # words [BW, NI, 4, 4]
-    W3: gl.constexpr = gl.SliceLayout(3, W4)  # scales [BW, NI, 4]
+    W4: gl.constexpr = gl.SliceLayout(4, WL)  # words [64, NI, 4, 4]
+    W3: gl.constexpr = gl.SliceLayout(3, W4)  # scales [64, NI, 4]
     W2: gl.constexpr = gl.SliceLayout(2, W3)
     W1: gl.constexpr = gl.SliceLayout(1, W2)  # rows
     X4: gl.constexpr = gl.SliceLayout(4, XL)
@@ -214,7 +210,7 @@ def _moe_gemm_sm90(
 
     # Tile row r: gated, column n0 + 8(r//16) + r%8, gate for (r//8) even, else up; otherwise
     # column n0 + r. Columns past N are clamped onto N-1: loaded, never stored.
-    r = gl.arange(0, BW, layout=W1)
+    r = gl.arange(0, 64, layout=W1)
     if GATED:
         col = gl.minimum(n0 + 8 * (r // 16) + r % 8, N - 1)
         wrow = col * GATE_STRIDE + ((r // 8) % 2) * up_offset
@@ -245,7 +241,7 @@ def _moe_gemm_sm90(
 
     x_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
     x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
-    acc = gl.zeros([BW, BLOCK_M], gl.float32, layout=MMA)
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
     # The prmt table word 0xC0800000, made opaque and per thread (wrow >= 0, so the OR changes
     # nothing) so that ptxas keeps it in a register rather than copying it from a uniform
     # register before every prmt (~30 instructions per K step).
@@ -269,15 +265,15 @@ def _moe_gemm_sm90(
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BW, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L)
             w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
-            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BW, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L)
             w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
     for j in gl.static_range(2 * ITER, NS):
         if j % 2 == 0:
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BW, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L)
         else:
-            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BW, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L)
         if j + 1 < NS:
             w0 = w1
             s0 = s1
@@ -287,7 +283,7 @@ def _moe_gemm_sm90(
                                     j + 2 >= NFULL)
 
     # Epilogue in a plain layout: [BLOCK_N, BLOCK_M], a warp's lanes along N.
-    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, WARPS], [0, 1])
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
     n_ok = n < N
     mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
@@ -296,7 +292,7 @@ def _moe_gemm_sm90(
     b_base = bias_ptr + e64 * stride_be
     if GATED:
         # Accumulator row 16q + 8u + p is column 8q + p of the gate (u = 0) or up (u = 1).
-        acc = gl.permute(gl.reshape(acc, [BW // 16, 2, 8, BLOCK_M]), [0, 2, 3, 1])
+        acc = gl.permute(gl.reshape(acc, [4, 2, 8, BLOCK_M]), [0, 2, 3, 1])
         gate, up = gl.split(acc)
         gate = gl.convert_layout(gl.reshape(gate, [BLOCK_N, BLOCK_M]), OL)
         up = gl.convert_layout(gl.reshape(up, [BLOCK_N, BLOCK_M]), OL)
