@@ -322,3 +322,38 @@ def test_launcher_passes_the_arguments_as_triton_does():
         meta.update(num_warps=4, num_stages=1)
         bound, _, _ = binder(*args, **meta)
         assert list(bound.values()) == [*args, *launcher.constexpr_values(meta)]
+
+
+def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
+    """The launch code sends bf16 MXFP4 GEMMs with word-readable weights at small T to the
+    Hopper kernel on sm_90, and everything else to the portable one (launches recorded)."""
+    import dataclasses
+
+    from mxfx.kernels import launch, moe_sm90
+
+    launched = []
+    monkeypatch.setattr(launch.Launcher, "_launch", lambda self, grid, a, meta: launched.append(self._kernel.__name__))
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    E, H, I, k = 4, 64, 96, 2
+
+    def kernels(T, dtype=torch.bfloat16, quantized=True, w13=None):
+        W = _weights(E, H, I, dtype, quantized, True, 0, "cpu")
+        W = dataclasses.replace(W, **{f.name: getattr(W, f.name).contiguous() for f in dataclasses.fields(W)
+                                       if getattr(W, f.name) is not None})
+        if w13 is not None:
+            W = dataclasses.replace(W, w13=w13(W.w13))
+        ids, tw = _routing_case(T, E, k, 1)
+        launched.clear()
+        fused_moe(torch.zeros(T, H, dtype=dtype), tw.to(dtype), ids, W, GPT_OSS, ActivationQuant())
+        return [name for name in launched if "gemm" in name]
+
+    assert kernels(3) == ["_moe_gemm_sm90"] * 2
+    assert kernels(40) == ["_moe_gemm_sm90"] * 2  # 32-row blocks
+    assert kernels(200) == ["_moe_gemm"] * 2  # large T: the portable kernel
+    assert kernels(3, torch.float16) == ["_moe_gemm"] * 2  # the unpack makes bf16
+    assert kernels(3, quantized=False) == ["_moe_gemm"] * 2
+    # Rows of the packed weights not a multiple of 4 bytes apart: not readable as words.
+    padded = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 1, dtype=w.dtype)[..., :-1].copy_(w)  # noqa: E731
+    assert kernels(3, w13=padded) == ["_moe_gemm", "_moe_gemm_sm90"]
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: False)
+    assert kernels(3) == ["_moe_gemm"] * 2
