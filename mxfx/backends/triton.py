@@ -28,8 +28,9 @@ class TritonBackend(Backend):
         layouts=frozenset({"interleaved", "halves"}),
         bias=True,
         packages=frozenset({"triton"}),
-        note="MXFP4 unpacked in registers (PTX bf16x2 on CUDA sm90+, portable float32 "
-        "elsewhere) + tl.dot; no native scaled MMA yet; verified on H200 (sm90) only",
+        note="MXFP4 unpacked in registers: a Gluon wgmma kernel on Hopper at small T, else "
+        "Triton tl.dot (PTX bf16x2 unpack on CUDA sm90+, portable float32 elsewhere); no "
+        "native scaled MMA yet; verified on H200 (sm90) only",
     )
 
     def run(
