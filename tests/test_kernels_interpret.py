@@ -332,7 +332,7 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     from mxfx.kernels import launch, moe_sm90
 
     launched = []
-    monkeypatch.setattr(launch.Launcher, "_launch", lambda self, grid, a, meta: launched.append(self._kernel.__name__))
+    monkeypatch.setattr(launch.Launcher, "_launch", lambda self, grid, a, meta: launched.append((self._kernel.__name__, meta)))
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
     E, H, I, k = 4, 64, 96, 2
 
@@ -345,15 +345,22 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
         ids, tw = _routing_case(T, E, k, 1)
         launched.clear()
         fused_moe(torch.zeros(T, H, dtype=dtype), tw.to(dtype), ids, W, GPT_OSS, ActivationQuant())
-        return [name for name in launched if "gemm" in name]
+        return [name for name, _ in launched if "gemm" in name]
+
+    def gemm_meta(*keys):
+        return [tuple(meta.get(key) for key in keys) for name, meta in launched if "gemm" in name]
 
     assert kernels(3) == ["_moe_gemm_sm90"] * 2
-    assert kernels(40) == ["_moe_gemm_sm90"] * 2  # 32-row blocks
+    assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(True, 8)] * 2  # mma.sync
+    assert kernels(40) == ["_moe_gemm_sm90"] * 2
+    assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(False, 32)] * 2  # wgmma
     assert kernels(200) == ["_moe_gemm"] * 2  # large T: the portable kernel
     assert kernels(3, torch.float16) == ["_moe_gemm"] * 2  # the unpack makes bf16
     assert kernels(3, quantized=False) == ["_moe_gemm"] * 2
-    # Rows of the packed weights not a multiple of 4 bytes apart: not readable as words.
+    # Rows of the packed weights not a multiple of 4 bytes apart: not readable as words, and
+    # both GEMMs of the call then take the portable kernel (with its 16-row blocks).
     padded = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 1, dtype=w.dtype)[..., :-1].copy_(w)  # noqa: E731
-    assert kernels(3, w13=padded) == ["_moe_gemm", "_moe_gemm_sm90"]
+    assert kernels(3, w13=padded) == ["_moe_gemm"] * 2
+    assert gemm_meta("BLOCK_M") == [(16,)] * 2
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: False)
     assert kernels(3) == ["_moe_gemm"] * 2

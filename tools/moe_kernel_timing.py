@@ -24,15 +24,15 @@ from mxfx.oracle.shapes import SHAPES  # noqa: E402
 SHAPE = SHAPES["gpt-oss-120b"]
 SETS = 8
 
-# GemmConfig fields (block_m, block_n1, block_n2, block_k, warps, swap, split, split_k2, sm90)
-# tried by --sweep, by rows per expert.
+# GemmConfig fields (block_m, block_n1, block_n2, block_k, warps, swap, split, split_k2, sm90,
+# sync_mma) tried by --sweep, by rows per expert.
 SWEEP = {
-    4: [(16, 32, 64, 64, 4, True, True, 1, False), (16, 32, 64, 128, 4, True, True, 2, True),
-        (16, 32, 64, 128, 4, True, True, 1, True), (32, 32, 64, 128, 4, True, True, 2, True)],
-    32: [(32, 64, 128, 64, 4, True, True, 1, False), (32, 64, 128, 64, 4, True, True, 1, True),
-         (16, 64, 128, 64, 4, True, True, 1, True), (64, 64, 128, 64, 4, True, True, 1, True)],
-    None: [(128, 64, 128, 64, 4, False, False, 1, False), (64, 64, 128, 64, 4, False, False, 1, True),
-           (128, 64, 128, 64, 4, False, False, 1, True), (32, 64, 128, 64, 4, False, False, 1, True)],
+    4: [(16, 32, 64, 64, 4, True, True, 1, False, False), (8, 32, 64, 64, 4, True, True, 2, True, True),
+        (8, 32, 64, 64, 4, True, True, 1, True, True), (16, 32, 64, 128, 4, True, True, 1, True, False)],
+    32: [(32, 64, 128, 64, 4, True, True, 1, False, False), (32, 64, 128, 64, 4, True, True, 1, True, False),
+         (16, 64, 128, 64, 4, True, True, 1, True, False), (8, 64, 128, 64, 4, True, True, 1, True, True)],
+    None: [(128, 64, 128, 64, 4, False, False, 1, False, False), (64, 64, 128, 64, 4, False, False, 1, True, False),
+           (128, 64, 128, 64, 4, False, False, 1, True, False)],
 }
 
 
@@ -80,7 +80,7 @@ def main() -> None:
             except Exception as e:  # a config that does not compile: report, go on
                 print(f"T={T} {name} {cfg}: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            label = f"{name}/{aq.fmt} {tuple(moe.pick_config(T * SHAPE.top_k, SHAPE.num_experts))}"
+            label = f"{name}/{aq.fmt} {tuple(moe.pick_config(T * SHAPE.top_k, SHAPE.num_experts, moe.hopper_fits(sets[0][0], W)))}"
             rows.append((T, label, us, roof))
             print(f"T={T:5d} {label:60s} {us:9.1f} us  roofline {roof:7.1f} us  {100 * roof / us:5.1f} %", flush=True)
         moe.pick_config, mx.ptx_unpack = base_pick, base_ptx

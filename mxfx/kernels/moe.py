@@ -255,23 +255,30 @@ class GemmConfig(NamedTuple):
     swap: bool  # weights as the MMA's left operand (see _dot)
     split: bool  # MXFP4 halves kept apart, two MMAs per K step (see _mma)
     split_k2: int = 1  # GEMM2's K range split over this many programs (partials, fixed-order sum)
-    sm90: bool = False  # the Hopper kernel (mxfx.kernels.moe_sm90) where the call allows it
+    sm90: bool = False  # the Hopper kernel (mxfx.kernels.moe_sm90), for MXFP4 weights
+    sync_mma: bool = False  # there, mma.sync with the activations in registers, not wgmma
 
 
-def pick_config(num_pairs: int, num_experts: int) -> GemmConfig:
+def pick_config(num_pairs: int, num_experts: int, hopper: bool = False) -> GemmConfig:
     """Tile shapes from the mean rows per expert, measured on the H200 (tools/PERF_LOG.md):
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
-    operand, on Hopper in :mod:`mxfx.kernels.moe_sm90`; once it is matrix-bound, large blocks
-    with one MMA per K step."""
+    operand, on Hopper (``hopper``: :func:`hopper_fits`) in :mod:`mxfx.kernels.moe_sm90`,
+    where up to 4 rows per expert take 8-row blocks and mma.sync (no shared memory, no
+    barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks); once it is matrix-bound,
+    large blocks with one MMA per K step."""
     rows = num_pairs / num_experts
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is smaller than two
         # programs per SM, so its K range is split in two (T=1: 45.3 -> 42.7 µs).
-        return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2, sm90=True)
+        if hopper:
+            return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=2, sm90=True, sync_mma=True)
+        return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
     if rows <= 4:
-        return GemmConfig(16, 32, 64, 64, 4, swap=True, split=True, sm90=True)
+        if hopper:
+            return GemmConfig(8, 32, 64, 64, 4, swap=True, split=True, sm90=True, sync_mma=True)
+        return GemmConfig(16, 32, 64, 64, 4, swap=True, split=True)
     if rows <= 32:
-        return GemmConfig(32, 64, 128, 64, 4, swap=True, split=True, sm90=True)
+        return GemmConfig(32, 64, 128, 64, 4, swap=True, split=True, sm90=hopper)
     return GemmConfig(128, 64, 128, 64, 4, swap=False, split=False)
 
 
@@ -323,11 +330,11 @@ def _gemm(
         HAS_BIAS=bias is not None,
         ROUTE_WEIGHT=route_weights is not None,
     )
-    if cfg.sm90 and quantized and _sm90_fits(a, w, s, out, k_in, cfg.block_m):
+    if cfg.sm90 and quantized:
         block_n = 32 if gated else 64
         moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
             *args, **common, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
-            num_warps=4, num_stages=1)
+            SYNC_MMA=cfg.sync_mma, num_warps=4, num_stages=1)
         if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
             mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
         return
@@ -351,13 +358,13 @@ def _gemm(
     )
 
 
-def _sm90_fits(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, k_in: int,
-               block_m: int) -> bool:
-    """Whether :mod:`mxfx.kernels.moe_sm90` can run this GEMM: bf16 activations on a Hopper GPU,
-    MXFP4 readable as words, unit strides along K and N, K a multiple of 32."""
-    return (a.dtype == torch.bfloat16 and moe_sm90.runs_on(a.device) and mx.word_loadable(w)
-            and a.stride(-1) == 1 and s.stride(-1) == 1 and out.stride(-1) == 1 and k_in % 32 == 0
-            and block_m in (16, 32, 64, 128))
+def hopper_fits(x: torch.Tensor, weights: MoEWeights) -> bool:
+    """Whether :mod:`mxfx.kernels.moe_sm90` can run both GEMMs of this call: bf16 activations
+    on a Hopper GPU, MXFP4 weights readable as words, unit strides along K (x, scales)."""
+    return (weights.quantized and x.dtype == torch.bfloat16 and moe_sm90.runs_on(x.device)
+            and x.stride(-1) == 1 and x.shape[1] % 32 == 0
+            and all(mx.word_loadable(w) and s.stride(-1) == 1
+                    for w, s in ((weights.w13, weights.w13_scale), (weights.w2, weights.w2_scale))))
 
 
 def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tuple[int, int, int, int]:
@@ -400,7 +407,7 @@ def fused_moe(
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
-    cfg = pick_config(T * k, weights.num_experts)
+    cfg = pick_config(T * k, weights.num_experts, hopper_fits(x, weights))
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
     # Activation quantization, as the emulation does it: x once here (a [T, H] temporary),
     # the intermediate in GEMM1's epilogue.
@@ -426,7 +433,7 @@ def unfused_moe(
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
-    cfg = pick_config(T * k, weights.num_experts)
+    cfg = pick_config(T * k, weights.num_experts, hopper_fits(x, weights))
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
     _gemm(x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, pre, 0, 2 * inter_size, H,

@@ -6,13 +6,18 @@ bound by its instruction count.
 same GEMM1 (gated or not) and GEMM2 epilogues, except activation quantization (the caller
 quantizes the intermediate afterwards). What differs is how the weights reach the tensor cores:
 
-- One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` (weights
-  as the wgmma's A operand, the block's activation rows as B in shared memory).
+- One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` with the
+  weights as the MMA's A operand.
 - Each lane loads whole 16-byte, 32-K segments of its two fragment rows (one load and one
   scale byte per row and segment) and unpacks every packed byte into one bf16x2 register that
-  *is* a wgmma A-fragment pair: no shared-memory round trip for the weights. That puts the
-  dot's K in a permuted order inside each K step; the activations are staged to shared
-  memory in the same order, so the sum is the same.
+  *is* an A-fragment pair: no shared-memory round trip for the weights. That puts the dot's K
+  in a permuted order inside each K step, and the activations follow the same order, so the
+  sum is the same.
+- The activations are the B operand, in one of two ways. ``SYNC_MMA`` (blocks of 8 rows,
+  while the weights dominate): each lane loads the same 32-K segment of the block's rows
+  straight into mma.sync B fragments, every warp on its own, with no shared memory, barrier
+  or proxy fence in the loop. Otherwise (16 to 128 rows): the block's rows are staged to
+  shared memory once for the four warps and multiplied by wgmma.
 - Gated tiles interleave gate and up rows by 8 so that one thread holds both halves of a
   column (accumulator rows r and r+8).
 
@@ -28,6 +33,7 @@ import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from mxfx.kernels.launch import Launcher
@@ -103,6 +109,18 @@ def _x_layout(BM, NI):
                                       [BM, NI, 4, 4, 8])
 
 
+@gluon.constexpr_function
+def _xb_layout(BM, NI):
+    """``[BM, NI, 4, 4, 8]`` activations in natural K order, as the mma.sync B fragments need
+    them: lane 4g + c holds segment c of tokens g, g + 8, ... (all 32 values), every warp the
+    same (each warp multiplies the whole block of tokens by its 16 weight rows)."""
+    reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0]]
+    reg += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))] + [[8 << b, 0, 0, 0, 0] for b in range(_log2(BM) - 3)]
+    lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
+    warp = [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [BM, NI, 4, 4, 8])
+
+
 @gluon.jit
 def _to_dot_order(v, R: gl.constexpr, BK: gl.constexpr):
     """``[R, NI, 4, 4, 8]`` in natural K order (k = 128i + 32c + 8j + 2b + e, byte 4j + b)
@@ -135,9 +153,9 @@ def _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0, k_end, MASKED: gl.constex
 
 @gluon.jit
 def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
-              A_L: gl.constexpr):
-    """Unpack one K step's weights into the wgmma A fragment, stage its activations in the
-    same K order, ``acc += W @ X^T``."""
+              A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
+    """Unpack one K step's weights into the A fragment, bring its activations in the same K
+    order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``."""
     z = gl.full([64, BLOCK_K // 128, 4, 4, 8], 0, gl.int32, layout=WL)
     sb, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(s.to(gl.int32), 3), 4), z)
     wb, _ = gl.broadcast(gl.expand_dims(w, 4), z)
@@ -147,10 +165,14 @@ def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
                                   dtype=gl.bfloat16, is_pure=True, pack=8)
     # The unpacked registers are the fragment already: the conversion must move nothing.
     a = gl.convert_layout(_to_dot_order(v, 64, BLOCK_K), A_L, assert_trivial=True)
-    x_smem.store(_to_dot_order(x, BLOCK_M, BLOCK_K))
-    fence_async_shared()
-    gl.thread_barrier()
-    return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+    if SYNC_MMA:  # each lane loaded its B fragments: again nothing moves
+        b = gl.convert_layout(gl.permute(_to_dot_order(x, BLOCK_M, BLOCK_K), [1, 0]), B_L, assert_trivial=True)
+        return mma_v2(a, b, acc)
+    else:
+        x_smem.store(_to_dot_order(x, BLOCK_M, BLOCK_K))
+        fence_async_shared()
+        gl.thread_barrier()
+        return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
 
 
 @gluon.jit
@@ -174,6 +196,7 @@ def _moe_gemm_sm90(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     SPLIT_K: gl.constexpr,
+    SYNC_MMA: gl.constexpr = False,
 ):
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert(K % 32 == 0)
@@ -181,9 +204,15 @@ def _moe_gemm_sm90(
     BLOCK_N: gl.constexpr = 32 if GATED else 64
     NI: gl.constexpr = BLOCK_K // 128
     WL: gl.constexpr = _w_layout(NI)
-    XL: gl.constexpr = _x_layout(BLOCK_M, NI)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    if SYNC_MMA:
+        XL: gl.constexpr = _xb_layout(BLOCK_M, NI)
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    else:
+        XL: gl.constexpr = _x_layout(BLOCK_M, NI)
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     X_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     W4: gl.constexpr = gl.SliceLayout(4, WL)  # words [64, NI, 4, 4]
     W3: gl.constexpr = gl.SliceLayout(3, W4)  # scales [64, NI, 4]
@@ -239,8 +268,12 @@ def _moe_gemm_sm90(
           + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xj * 8, 0), 1), 2), 4)
           + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xe, 0), 1), 2), 3))
 
-    x_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
-    x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
+    if SYNC_MMA:
+        x_smem0 = 0  # unused placeholders: the activations stay in registers
+        x_smem1 = 0
+    else:
+        x_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
+        x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
     # The prmt table word 0xC0800000, made opaque and per thread (wrow >= 0, so the OR changes
     # nothing) so that ptxas keeps it in a register rather than copying it from a uniform
@@ -265,15 +298,15 @@ def _moe_gemm_sm90(
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
             w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
-            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
             w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
     for j in gl.static_range(2 * ITER, NS):
         if j % 2 == 0:
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
         else:
-            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L)
+            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
         if j + 1 < NS:
             w0 = w1
             s0 = s1

@@ -1,7 +1,7 @@
 """Routing preparation on the GPU: group the (token, slot) pairs by expert.
 
-For ``topk_ids [T, k]`` and a kernel block of ``block_m`` rows, one kernel (two past 256
-pairs: per-chunk counts, then placement) computes
+For ``topk_ids [T, k]`` and a kernel block of ``block_m`` rows, one kernel (two past one
+chunk of pairs: per-chunk counts, then placement) computes
 
 - ``sorted_pairs [max_blocks * block_m] int32``: the flat pair indices ``t*k + j``, grouped by
   expert (experts in increasing order, pairs in increasing order inside an expert: the
@@ -20,7 +20,7 @@ them at a few µs on the H200 for any T.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -137,11 +137,14 @@ _COUNT = Launcher(_count_kernel)
 _PLACE = Launcher(_place_kernel)
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 256) -> Routing:
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optional[int] = None) -> Routing:
     """Group the pairs of ``topk_ids [T, k]`` (any integer dtype) by expert; see the module doc.
 
     ``chunk`` (a power of two) pairs per program: per-chunk expert counts, then each chunk
-    places its pairs at its offset (one launch when the pairs fit one chunk).
+    places its pairs at its offset (one launch when the pairs fit one chunk). By default at
+    least 64, and large enough for at most 128 chunks, since every program reads all chunks'
+    counts (H200, top-4 of 128 experts, against 256: T=64 11.2 -> 6.9 µs, T=512 10.4 -> 6.9,
+    T=4096 10.9 -> 9.0 with 128).
     """
     num_pairs = topk_ids.numel()
     nb = max_blocks(num_pairs, num_experts, block_m)
@@ -152,6 +155,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 2
     if nb > 0:
         ids = topk_ids.reshape(-1)  # any integer dtype: the kernels compare it as loaded
         e_pow2 = next_power_of_2(max(num_experts, 2))
+        if chunk is None:
+            chunk = max(64, next_power_of_2(cdiv(num_pairs, 128)))
         num_chunks = cdiv(num_pairs, chunk)
         chunk = min(chunk, max(16, next_power_of_2(num_pairs)))
         counts = block_rows  # placeholder pointer: unused with ONE_CHUNK
@@ -162,6 +167,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 2
             ids, counts, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, num_chunks, nb,
             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, SUB=min(chunk, 64),
             NC_POW2=next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1,
-            debug=True,  # the id check is a device-side assert: no host synchronisation
+            # The id check is a device-side assert (no host synchronisation). Debug mode would
+            # also check every integer add for overflow: 3x the instructions, so that is off.
+            debug=True, sanitize_overflow=False,
         )
     return Routing(sorted_pairs, block_expert, block_rows, block_m, num_pairs)

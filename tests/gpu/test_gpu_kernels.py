@@ -106,6 +106,7 @@ def test_gpt_oss_shape_bf16(fn, T):
         (9, 4, 352, 2880, 2, GPT_OSS, {}),
         (17, 1, 352, 96, 1, minimax_m3(1.702, 1.0, 7.0), {}),  # E = 1
         (1000, 4, 160, 224, 1, SILU_AND_MUL, {"one_expert": True}),  # every token on expert 0
+        (16, 8, 352, 2880, 1, GPT_OSS, {"one_expert": True}),  # 8-row blocks (Hopper): two for expert 0
         (40, 4, 200, 136, 2, GatedActivation("halves", 1.1, 0.3, 3.0), {"quantized": False}),
         (40, 4, 200, 136, 2, GPT_OSS, {"quantized": False, "transposed": True}),
     ],
@@ -210,19 +211,21 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "T,E,H,I,k,act",
+    "T,E,H,I,k,act,sync",
     [
-        (1, 8, 2880, 2880, 4, GPT_OSS),  # split-K GEMM2
-        (60, 8, 2880, 2880, 4, GPT_OSS),  # 32-row blocks
-        (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0)),  # halves layout
-        (40, 4, 224, 96, 2, SILU_AND_MUL),  # no limit; K = 224, 96 below one 128-step
-        (17, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0)),
+        (1, 8, 2880, 2880, 4, GPT_OSS, True),  # split-K GEMM2
+        (12, 16, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), True),  # halves layout
+        (60, 8, 2880, 2880, 4, GPT_OSS, False),  # 32-row blocks
+        (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), False),
+        (40, 4, 224, 96, 2, SILU_AND_MUL, False),  # no limit; K = 224, 96 below one 128-step
+        (17, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), False),
     ],
 )
-def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act):
+def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     """On Hopper, bf16 MXFP4 at small T runs :mod:`mxfx.kernels.moe_sm90` (fused and
-    unfused, and A8 through its separate quantize pass); weights not readable as words fall
-    back to the portable kernel. Both match emulation."""
+    unfused, and A8 through its separate quantize pass), with mma.sync on 8-row blocks up to 4
+    rows per expert and wgmma above; weights not readable as words fall back to the portable
+    kernel. All match emulation."""
     from mxfx.kernels import moe_sm90
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -233,7 +236,7 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act):
     for fn in (moe.fused_moe, _unfused):
         calls.clear()
         _check(fn, T, E, H, I, k, torch.bfloat16, act)
-        assert len(calls) == 2
+        assert [(m["SYNC_MMA"], m["BLOCK_M"]) for m in calls] == [(sync, 8 if sync else 32)] * 2
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
     assert len(calls) == 2
