@@ -288,15 +288,22 @@ def _kernel_with_constexpr_first(x_ptr, N: tl.constexpr, y):
 def test_launcher_key_separates_what_triton_specializes_on():
     from triton.runtime import JITFunction
 
-    from mxfx.kernels.launch import Launcher, _spec
+    from mxfx.kernels.launch import Launcher, key_and_call
 
     with pytest.raises(ValueError, match="constexpr parameters must come last"):
         Launcher(JITFunction(_kernel_with_constexpr_first))
-    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31), _spec(2**40 + 1)}) == 5
-    assert _spec(True) != _spec(False) and _spec(True) != _spec(1)
+
+    def key(*args, **meta):
+        return key_and_call(0, args, meta)[0]
+
+    assert len({key(1), key(16), key(17), key(2**31), key(2**40 + 1)}) == 5
+    assert key(True) != key(False) and key(True) != key(1)
     buf = torch.zeros(64, dtype=torch.float16)
-    assert _spec(buf) != _spec(buf[1:]) and _spec(buf) != _spec(buf.float())
-    assert _spec(0.5) == _spec(2.0) != _spec(None)
+    assert key(buf) != key(buf[1:]) and key(buf) != key(buf.float()) and key(buf) == key(buf[8:])
+    assert key(0.5) == key(2.0) != key(None)
+    assert key(buf, 1, BLOCK=16) != key(buf, 1, BLOCK=32) and key(1) != key_and_call(1, (1,), {})[0]
+    _, call = key_and_call(0, (buf, 3, 0.5, True), {"BLOCK": 16})
+    assert call == [buf.data_ptr(), 3, 0.5, True]
 
 
 def test_launcher_passes_the_arguments_as_triton_does():

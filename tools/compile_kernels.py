@@ -71,7 +71,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     launches: dict[tuple, tuple] = {}
 
     def record(self, grid, args, meta):
-        key = (self._kernel.__name__, tuple(meta.items()), *(launch._spec(a) for a in args))
+        key = (self._kernel.__name__, launch.key_and_call(0, args, meta)[0])
         launches.setdefault(key, (self._kernel, args, meta))
 
     ptx = target.backend == "cuda" and target.arch >= 90

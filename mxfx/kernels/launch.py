@@ -20,9 +20,10 @@ graph; ``python tools/profile_moe_eager.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
-from typing import Any
+from typing import Iterator, Optional
 
 import torch
 import triton
@@ -30,6 +31,7 @@ from triton import knobs
 
 
 ENABLED = os.environ.get("MXFX_FAST_LAUNCH", "1") != "0"
+_recording: Optional[list] = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -43,19 +45,51 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def _spec(arg: Any) -> Any:
-    """One argument's part of the key (ints as they are; True must not equal 1 there)."""
-    kind = type(arg)
-    if kind is int:
-        return arg
-    if kind is bool:
-        return bool, arg
-    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    return kind
+def key_and_call(device: int, args: tuple, meta: dict) -> tuple[tuple, list]:
+    """What a direct launch is cached on, and the arguments its C launcher takes.
+
+    The key: the device, the constexprs and launch options, each integer as it is, each
+    tensor's dtype and whether its address is a multiple of 16 (what Triton 3.6 specializes
+    pointers on), the type of anything else (``True`` apart from ``1``). The arguments: the
+    same, with tensors as their addresses, so the launcher skips a ``data_ptr()`` call and a
+    driver query per pointer (callers have checked the tensors' devices).
+    """
+    parts: list = [device, *meta.items()]
+    call = []
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            parts.append(a)
+        elif kind is torch.Tensor or isinstance(a, torch.Tensor):
+            ptr = a.data_ptr()
+            parts += (a.dtype, ptr % 16 == 0)
+            a = ptr
+        elif kind is bool:
+            parts += (bool, a)
+        else:
+            parts.append(kind)
+        call.append(a)
+    return tuple(parts), call
 
 
-def _hooked() -> bool:
+def direct_launches(t: torch.Tensor) -> bool:
+    """Whether launches on ``t``'s device may skip Triton's launch path (CUDA, on, no hooks)."""
+    return ENABLED and t.is_cuda and not hooked()
+
+
+@contextlib.contextmanager
+def recording(into: list) -> Iterator[None]:
+    """Appends each launch made inside to ``into``: ``(Direct, grid, args, C launcher's
+    arguments)``, or None for a launch that went through Triton (see :mod:`mxfx.kernels.replay`)."""
+    global _recording
+    outer, _recording = _recording, into
+    try:
+        yield
+    finally:
+        _recording = outer
+
+
+def hooked() -> bool:
     """Whether launch hooks are installed (Triton 3.6 keeps them in chains, empty by default)."""
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
@@ -70,7 +104,7 @@ class Launcher:
 
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
         self._kernel = kernel
-        self._compiled: dict[tuple, tuple] = {}
+        self._compiled: dict[tuple, Direct] = {}
         # Under TRITON_INTERPRET=1 the kernel is an interpreted function, always launched as is.
         self._fast = isinstance(kernel, triton.runtime.JITFunction) and torch.version.hip is None
         if self._fast:
@@ -88,20 +122,43 @@ class Launcher:
         return lambda *args, **meta: self._launch(grid, args, meta)
 
     def _launch(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        x = next(a for a in args if isinstance(a, torch.Tensor))
-        if not (ENABLED and self._fast) or x.device.type != "cuda" or _hooked():
+        first = args[0]
+        if not (self._fast and isinstance(first, torch.Tensor) and direct_launches(first)):
             self._kernel[grid](*args, **meta)
+            if _recording is not None:
+                _recording.append(None)
             return
         # Triton launches on the current device (as does this, with the same key).
         device = torch.cuda.current_device()
-        key = (tuple(meta.items()), device, *[_spec(a) for a in args])
-        hit = self._compiled.get(key)
-        if hit is None:
+        k, call = key_and_call(device, args, meta)
+        direct = self._compiled.get(k)
+        if direct is None:
             compiled = self._kernel[grid](*args, **meta)
-            self._compiled[key] = (compiled, self.constexpr_values(meta))
-            return
-        compiled, constexpr_values = hit
+            direct = self._compiled[k] = Direct(compiled, self.constexpr_values(meta))
+        else:
+            direct(grid, torch._C._cuda_getCurrentRawStream(device), call)
+        if _recording is not None:
+            _recording.append((direct, grid, args, call))
+
+
+class Direct:
+    """A compiled kernel's C launcher, called as Triton's own launch calls it (without the
+    Python wrapper around it, unless the kernel needs scratch memory, which that allocates)."""
+
+    def __init__(self, compiled, constexpr_values: tuple) -> None:
+        run = compiled.run
+        self._head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                      compiled.packed_metadata, None, None, None)
+        self._tail = constexpr_values
+        self.name = compiled.name
+        self._launch = run.launch if not (run.global_scratch_size or run.profile_scratch_size) else None
+        self._compiled = compiled
+
+    def __call__(self, grid: tuple[int, ...], stream: int, call: list) -> None:
         g = (*grid, 1, 1)
-        compiled.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device),
-                     compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *constexpr_values)
+        if self._launch is None:
+            c = self._compiled
+            c.run(g[0], g[1], g[2], stream, c.function, c.packed_metadata, None, None, None,
+                  *call, *self._tail)
+            return
+        self._launch(g[0], g[1], g[2], stream, *self._head, *call, *self._tail)

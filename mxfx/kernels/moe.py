@@ -37,6 +37,7 @@ from mxfx.activation import GatedActivation
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_sm90, mx
 from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
+from mxfx.kernels.replay import Replayer
 from mxfx.kernels.routing import Routing, align
 
 
@@ -402,8 +403,16 @@ def fused_moe(
     Shapes as :func:`mxfx.backends.emulation.moe`; returns ``[T, H]`` in ``x.dtype``.
     Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[S, T*k, H]`` float32 (S =
     ``split_k2`` of :func:`pick_config`), and under
-    activation quantization the quantize-dequantized ``x``.
+    activation quantization the quantize-dequantized ``x``. Replayed from a launch plan
+    (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
     """
+    w = weights
+    return _FUSED((x, topk_weights, topk_ids, w.w13, w.w13_scale, w.w13_bias, w.w2, w.w2_scale, w.w2_bias),
+                  (act, aq))
+
+
+def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, act, aq):
+    weights = MoEWeights(w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
@@ -416,6 +425,9 @@ def fused_moe(
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
           H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
+
+
+_FUSED = Replayer(_fused_moe)
 
 
 def unfused_moe(

@@ -1,0 +1,165 @@
+"""Launch plans: a host function's kernel launches recorded once per signature, then replayed.
+
+At small T an eager MoE call is bound by its host time: for every call the launch code picks
+configs, computes grids and strides, allocates a handful of temporaries and builds each
+launch's key and argument list. All of that depends only on the inputs' dtypes, shapes,
+strides, devices and 16-byte alignment. So :class:`Replayer` runs its function once per such
+signature while recording what it does on the device: its allocations, its views and its
+launches through :class:`mxfx.kernels.launch.Launcher`. If that is all it does (any other
+aten op, a copy, a fill or a read back to the host, leaves the signature unplanned: later
+calls run the function), later calls allocate the same temporaries in one workspace and the
+output, then call the same compiled kernels with the new addresses patched into the
+recorded argument lists.
+
+Only where :class:`~mxfx.kernels.launch.Launcher` launches directly (CUDA, no launch hooks,
+``MXFX_FAST_LAUNCH`` not 0); elsewhere the function always runs.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mxfx.kernels import launch
+
+_ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+_ALIGN = 256  # bytes between temporaries in the workspace, as the caching allocator's
+_UNSEEN = object()
+
+
+class _Watch(TorchDispatchMode):
+    """Keeps every allocation made under it (alive, so no address is reused) and notes whether
+    any op other than an allocation or a view ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocations: list[torch.Tensor] = []
+        self.other: Optional[str] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.allocations.append(out)
+        elif not func.is_view and self.other is None:
+            self.other = str(func)
+        return out
+
+
+class _Launch(NamedTuple):
+    direct: launch.Direct
+    grid: tuple[int, ...]
+    args: list  # the C launcher's arguments, addresses to be patched in
+    patches: tuple[tuple[int, int, int], ...]  # (position, base, byte offset from it)
+
+
+class _Plan(NamedTuple):
+    device: torch.device
+    workspace: int  # bytes
+    out: tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # size, stride, dtype
+    launches: tuple[_Launch, ...]
+
+
+def _plan(inputs: tuple, out: torch.Tensor, watch: _Watch, launches: list) -> _Plan | str:
+    """The recorded call as a plan, or why it cannot be one."""
+    if watch.other is not None:
+        return f"it ran {watch.other}"
+    if not all(launches):
+        return "a launch went through Triton"
+    out_ptr = out.data_ptr()
+    if out.storage_offset() or not any(a.data_ptr() == out_ptr for a in watch.allocations):
+        return "its output is not a tensor it allocated"
+    regions: dict[int, tuple[int, int]] = {}  # temporary's address -> (its bytes, workspace offset)
+    size = 0
+    for a in watch.allocations:
+        if a.data_ptr() in (0, out_ptr):
+            continue
+        nbytes = a.untyped_storage().nbytes()
+        regions[a.data_ptr()] = (nbytes, size)
+        size += -(-nbytes // _ALIGN) * _ALIGN
+    addresses = [None if t is None else t.data_ptr() for t in inputs]
+    ws, out_base = len(inputs), len(inputs) + 1
+    plan = []
+    for direct, grid, args, call in launches:
+        patches = []
+        for pos, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            ptr = a.data_ptr()
+            found = [i for i, p in enumerate(addresses) if p == ptr]
+            if len(found) == 1:
+                patches.append((pos, found[0], 0))
+            elif not found and ptr == out_ptr:
+                patches.append((pos, out_base, 0))
+            elif not found:
+                hit = [(start, off) for start, (n, off) in regions.items() if start <= ptr < start + n]
+                if not hit:
+                    return f"argument {pos} of {direct.name} is not an input, a temporary or the output"
+                start, off = hit[0]
+                patches.append((pos, ws, off + ptr - start))
+            else:
+                return f"argument {pos} of {direct.name} is the address of several inputs"
+        plan.append(_Launch(direct, grid, call, tuple(patches)))
+    return _Plan(out.device, size, (tuple(out.shape), out.stride(), out.dtype), tuple(plan))
+
+
+class Replayer:
+    """``Replayer(fn)(tensors, static)`` is ``fn(*tensors, *static)``, replayed from a plan
+    where one exists. ``tensors``: the function's tensor inputs (or None), all on one device;
+    ``static``: its other arguments, hashable. ``fn`` must return one newly allocated tensor."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        self._fn = fn
+        # A plan per signature seen, or why there is none.
+        self._plans: dict[tuple, _Plan | str] = {}
+
+    def __call__(self, tensors: tuple, static: tuple) -> torch.Tensor:
+        first = tensors[0]
+        if not launch.direct_launches(first):
+            return self._fn(*tensors, *static)
+        device = torch.cuda.current_device()
+        parts: list = [device, first.get_device(), *static]
+        bases: list = []
+        for t in tensors:
+            if t is None:
+                parts.append(None)
+                bases.append(0)
+            else:
+                ptr = t.data_ptr()
+                parts += (t.dtype, t.shape, t.stride(), ptr % 16)
+                bases.append(ptr)
+        key = tuple(parts)
+        plan = self._plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:
+            return self._record(key, tensors, static)
+        if type(plan) is str:
+            return self._fn(*tensors, *static)
+        if plan.workspace:
+            workspace = torch.empty(plan.workspace, dtype=torch.uint8, device=plan.device)
+            bases.append(workspace.data_ptr())
+        else:
+            bases.append(0)
+        size, stride, dtype = plan.out
+        out = torch.empty_strided(size, stride, dtype=dtype, device=plan.device)
+        bases.append(out.data_ptr())
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        for step in plan.launches:
+            call = step.args.copy()
+            for pos, base, offset in step.patches:
+                call[pos] = bases[base] + offset
+            step.direct(step.grid, stream, call)
+        return out
+
+    def _record(self, key: tuple, tensors: tuple, static: tuple) -> torch.Tensor:
+        launches: list = []
+        watch = _Watch()
+        with launch.recording(launches), watch:
+            out = self._fn(*tensors, *static)
+        self._plans[key] = _plan(tensors, out, watch, launches)
+        return out

@@ -1,0 +1,138 @@
+"""Launch plans (:mod:`mxfx.kernels.replay`) on CPU: the launches are recorded, not run, so
+what is checked is what each replayed launch is handed against what a fresh call hands it.
+On the GPU, tests/gpu checks that replayed calls compute the right result."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mxfx.activation import GPT_OSS  # noqa: E402
+from mxfx.backends.base import ActivationQuant  # noqa: E402
+from mxfx.kernels import launch, moe  # noqa: E402
+from mxfx.kernels.replay import Replayer  # noqa: E402
+
+E, H, I, K = 8, 64, 96, 2
+
+
+class _Logged:
+    """Stands for a compiled kernel: logs what it is called with."""
+
+    log: list = []
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, grid, stream, call) -> None:
+        self.log.append((self.name, grid, list(call)))
+
+
+@pytest.fixture
+def logged(monkeypatch) -> list:
+    """Launches logged as the direct path would make them, CPU tensors taken for CUDA ones."""
+
+    def fake_launch(self, grid, args, meta):
+        _, call = launch.key_and_call(0, args, meta)
+        direct = _Logged(self._kernel.__name__)
+        direct(grid, 0, call)
+        if launch._recording is not None:
+            launch._recording.append((direct, grid, args, call))
+
+    monkeypatch.setattr(launch.Launcher, "_launch", fake_launch)
+    monkeypatch.setattr(launch, "direct_launches", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    _Logged.log = []
+    return _Logged.log
+
+
+def _inputs(T: int, seed: int, quantized: bool = True) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, K, generator=g)
+    if quantized:
+        w = (torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8),
+             torch.randint(100, 130, (E, 2 * I, H // 32), dtype=torch.uint8), torch.randn(E, 2 * I),
+             torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8),
+             torch.randint(100, 130, (E, H, I // 32), dtype=torch.uint8), torch.randn(E, H))
+    else:
+        w = (torch.randn(E, 2 * I, H), None, None, torch.randn(E, H, I), None, None)
+    return (x, tw, ids, *w)
+
+
+def _canonical(log: list, inputs: tuple, out: torch.Tensor, positions: list) -> list:
+    """Each launch's arguments with the addresses at ``positions`` named: an input by index,
+    the output, or the n-th distinct other address (a temporary)."""
+    temps: dict[int, int] = {}
+    canon = []
+    for (name, grid, call), pos in zip(log, positions):
+        call = list(call)
+        for p in pos:
+            addr = call[p]
+            hits = [i for i, t in enumerate(inputs) if t is not None and t.data_ptr() == addr]
+            call[p] = (("input", hits[0]) if hits else ("out",) if addr == out.data_ptr()
+                       else ("temp", temps.setdefault(addr, len(temps))))
+        canon.append((name, grid, call))
+    return canon
+
+
+@pytest.mark.parametrize("T,quantized,aq", [(1, True, "none"), (40, True, "none"), (5, False, "none"),
+                                            (3, True, "mxfp8")])
+def test_replay_hands_each_kernel_what_a_fresh_call_does(logged, T, quantized, aq):
+    rep = Replayer(moe._fused_moe)
+    static = (GPT_OSS, ActivationQuant(aq))
+    rep(_inputs(T, 0, quantized), static)  # records
+    (plan,) = rep._plans.values()
+    assert not isinstance(plan, str), plan
+    assert len(plan.launches) == len(logged) >= 3
+
+    second = _inputs(T, 1, quantized)
+    logged.clear()
+    out = rep(second, static)  # replays
+    replayed = list(logged)
+    logged.clear()
+    fresh_out = moe._fused_moe(*second, *static)
+    positions = [[p for p, _, _ in step.patches] for step in plan.launches]
+    assert out.shape == fresh_out.shape and out.dtype == fresh_out.dtype
+    assert _canonical(replayed, second, out, positions) == _canonical(logged, second, fresh_out, positions)
+    # every address the replay hands over is an input, the output or inside its workspace
+    assert all(pos for pos in positions)
+
+
+def test_replay_keys_on_shape_and_alignment(logged):
+    rep = Replayer(moe._fused_moe)
+    static = (GPT_OSS, ActivationQuant())
+    inputs = _inputs(4, 0)
+    rep(inputs, static)
+    rep(_inputs(4, 1), static)
+    assert len(rep._plans) == 1
+    rep(_inputs(5, 1), static)
+    shifted = torch.empty(4 * H + 1, dtype=torch.bfloat16)[1:].view(4, H)
+    rep((shifted, *inputs[1:]), static)
+    assert len(rep._plans) == 3
+
+
+def test_a_call_doing_more_than_launches_is_left_unplanned(logged):
+    """Non-contiguous ids are copied by ``reshape``: that copy is not a launch, so the
+    signature gets no plan and every call runs the launch code."""
+    rep = Replayer(moe._fused_moe)
+    x, tw, ids, *w = _inputs(6, 0)
+    ids_t = ids.t().contiguous().t()
+    static = (GPT_OSS, ActivationQuant())
+    rep((x, tw, ids_t, *w), static)
+    assert list(rep._plans.values()) == ["it ran aten.clone.default"]
+    logged.clear()
+    rep((x, tw, ids_t, *w), static)
+    assert logged and logged[0][0] == "_place_kernel"
+
+
+def test_a_launch_through_triton_leaves_the_call_unplanned(logged, monkeypatch):
+    def through_triton(self, grid, args, meta):
+        launch._recording.append(None)
+
+    monkeypatch.setattr(launch.Launcher, "_launch", through_triton)
+    rep = Replayer(moe._fused_moe)
+    rep(_inputs(2, 0), (GPT_OSS, ActivationQuant()))
+    assert list(rep._plans.values()) == ["a launch went through Triton"]
