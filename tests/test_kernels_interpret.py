@@ -96,6 +96,13 @@ def test_qdq_bit_exact(kernel_device, fmt, rounding, dtype):
     ref = formats.quantize_dequantize(x, fmt, rounding)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(out.view(bits), ref.view(bits))
+    # rows padded apart (as a view into a wider buffer), read and written in place, uncopied
+    wide = torch.full((24, 100), 3.0, dtype=dtype, device=kernel_device)
+    strided = wide[:, :96]
+    strided.copy_(x)
+    assert torch.equal(mx.quantize_dequantize(strided, fmt, rounding).cpu().view(bits), ref.view(bits))
+    assert mx.quantize_dequantize(strided, fmt, rounding, out=strided) is strided
+    assert torch.equal(strided.cpu().view(bits), ref.view(bits)) and (wide[:, 96:] == 3.0).all()
 
 
 # ---------------------------------------------------------------- routing

@@ -248,14 +248,14 @@ def qdq(x, FMT: tl.constexpr, ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _qdq_kernel(x_ptr, out_ptr, M, K, stride_m, FMT: tl.constexpr, ROUNDING: tl.constexpr,
+def _qdq_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, FMT: tl.constexpr, ROUNDING: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * stride_m + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, qdq(x, FMT, ROUNDING, BM, BK), mask=mask)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], qdq(x, FMT, ROUNDING, BM, BK),
+             mask=mask)
 
 
 _QDQ = Launcher(_qdq_kernel)
@@ -265,19 +265,21 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even",
                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`mxfx.formats.quantize_dequantize` of a 2-D ``x [M, K]`` (K a multiple of 32)
     computed by :func:`qdq` in a Triton kernel; ``fmt`` is ``"mxfp8"`` or ``"mxfp4"``.
-    ``out``: where to write (``x`` itself for in place; contiguous, x's shape and dtype)."""
+    ``out``: where to write (``x`` itself for in place; x's shape and dtype, unit stride along K;
+    by default a new contiguous tensor)."""
     if fmt not in ("mxfp8", "mxfp4"):
         raise ValueError(f"fmt: got {fmt!r}, expected 'mxfp8' or 'mxfp4'")
     formats.check_scale_rounding(scale_rounding)
     if x.dim() != 2 or x.shape[1] % formats.BLOCK != 0:
         raise ValueError(f"x: expected [M, K] with K a multiple of 32, got shape {tuple(x.shape)}")
-    x = x.contiguous()
-    out = torch.empty_like(x) if out is None else out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     M, K = x.shape
     bm, bk = 16, 64
     grid = (cdiv(M, bm), cdiv(K, bk))
     if M and K:
-        _QDQ[grid](x, out, M, K, x.stride(0), FMT=FMT_CODES[fmt],
+        _QDQ[grid](x, out, M, K, x.stride(0), out.stride(0), FMT=FMT_CODES[fmt],
                    ROUNDING=ROUNDING_CODES[scale_rounding], BM=bm, BK=bk)
     return out
 
