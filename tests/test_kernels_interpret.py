@@ -105,6 +105,26 @@ def test_qdq_bit_exact(kernel_device, fmt, rounding, dtype):
     assert torch.equal(strided.cpu().view(bits), ref.view(bits)) and (wide[:, 96:] == 3.0).all()
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("rounding", ["floor", "round_up", "even"])
+def test_quantize_bit_exact(kernel_device, fmt, rounding):
+    """The MX elements and scales the native scaled-MMA path feeds ``tl.dot_scaled``."""
+    g = _gen(11)
+    x = torch.randn(20, 160, generator=g) * torch.logspace(-42, 36, 20)[:, None]
+    x[1, 5] = float("nan")
+    x[2, 40] = float("-inf")
+    x[3, :32] = 0.0
+    x[4, 64:96] = -0.0
+    x[5, :] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5]).repeat(20)  # E2M1 ties
+    x[6, :] = torch.linspace(-448, 448, 160)
+    wide = torch.zeros(20, 200)
+    wide[:, :160] = x
+    q, s = mx.quantize(wide[:, :160].to(kernel_device), fmt, rounding)
+    ref_q, ref_s = formats.quantize(x, fmt, rounding)
+    assert torch.equal(s.cpu(), ref_s)
+    assert torch.equal(q.cpu(), ref_q.view(torch.uint8))
+
+
 # ---------------------------------------------------------------- routing
 
 
@@ -336,6 +356,36 @@ def test_launcher_passes_the_arguments_as_triton_does():
         meta.update(num_warps=4, num_stages=1)
         bound, _, _ = binder(*args, **meta)
         assert list(bound.values()) == [*args, *launcher.constexpr_values(meta)]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_launch_code_feeds_mx_activations_to_the_scaled_mma_where_native(monkeypatch, fmt):
+    """On GPUs with MX matrix instructions, A8/A4 with MXFP4 weights quantize each GEMM's
+    input into MX elements and scales for tl.dot_scaled; elsewhere, and for float weights,
+    they are quantize-dequantized in bf16 (launches recorded)."""
+    from mxfx.kernels import launch
+
+    launched = []
+    monkeypatch.setattr(launch.Launcher, "_launch",
+                        lambda self, grid, a, meta: launched.append((self._kernel.__name__, meta, a)))
+    E, H, I, k, T = 4, 64, 96, 2, 5
+    ids, tw = _routing_case(T, E, k, 1)
+
+    def run(native, quantized=True):
+        monkeypatch.setattr(mx, "native_scaled_mma", lambda device: native)
+        W = _weights(E, H, I, torch.bfloat16, quantized, True, 0, "cpu")
+        launched.clear()
+        fused_moe(torch.zeros(T, H, dtype=torch.bfloat16), tw.bfloat16(), ids, W, GPT_OSS, ActivationQuant(fmt))
+        return [(name, meta.get("A_FMT"), meta.get("AQ")) for name, meta, _ in launched if name != "_place_kernel"]
+
+    code = mx.FMT_CODES[fmt]
+    assert run(True) == [("_quantize_kernel", None, None), ("_moe_gemm", code, 0), ("_quantize_kernel", None, None),
+                         ("_moe_gemm", code, 0), ("_sum_slots", None, None)]
+    gemm1 = next(a for name, _, a in launched if name == "_moe_gemm")
+    assert gemm1[0].dtype == torch.uint8 and gemm1[0].shape[1] == (H // 2 if fmt == "mxfp4" else H)
+    assert run(False) == [("_qdq_kernel", None, None), ("_moe_gemm", 0, code), ("_moe_gemm", 0, 0),
+                          ("_sum_slots", None, None)]
+    assert run(True, quantized=False) == run(False, quantized=False)
 
 
 def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):

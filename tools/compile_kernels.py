@@ -75,10 +75,12 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
         launches.setdefault(key, (self._kernel, args, meta))
 
     ptx = target.backend == "cuda" and target.arch >= 90
-    saved = launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on
+    native = target.arch >= 100 if target.backend == "cuda" else target.arch == "gfx950"
+    saved = launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma
     launch.Launcher._launch = record
     mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
     moe_sm90.runs_on = lambda device: target.backend == "cuda" and target.arch == 90
+    mx.native_scaled_mma = lambda device: native
     try:
         E, k = 4, 2
         # T = 1, 32, 200 at E=4, k=2: the three tile regimes of pick_config.
@@ -94,7 +96,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
                     for act in acts:
                         moe.fused_moe(x, tw, ids, w, act, ActivationQuant())
                     moe.unfused_moe(x, tw, ids, w, GPT_OSS, activation.gated_activation)
-                    if quantized and dtype == torch.bfloat16:
+                    if dtype == torch.bfloat16:
                         for fmt in ("mxfp8", "mxfp4"):
                             moe.fused_moe(x, tw, ids, w, GPT_OSS, ActivationQuant(fmt, "even"))
             mx.dequantize_mxfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), dtype)
@@ -102,7 +104,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
     finally:
-        launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on = saved
+        launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma = saved
     return list(launches.values())
 
 

@@ -2,8 +2,9 @@
 
 GEMM1 over ``w13`` (MXFP4 dequantized in registers, or float) with bias and the gated
 activation in its epilogue, then GEMM2 over ``w2`` with bias and routing weight, then a
-deterministic sum over the k slots (no atomics). Activation quantization is executed in
-registers exactly as :mod:`mxfx.backends.emulation` does it.
+deterministic sum over the k slots (no atomics). Activation quantization is executed exactly
+as :mod:`mxfx.backends.emulation` does it: quantize-dequantized in registers, or, on GPUs with
+MX matrix instructions and MXFP4 weights, quantized into MX elements for ``tl.dot_scaled``.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ class TritonBackend(Backend):
         bias=True,
         packages=frozenset({"triton"}),
         note="MXFP4 unpacked in registers: a Gluon wgmma kernel on Hopper at small T, else "
-        "Triton tl.dot (PTX bf16x2 unpack on CUDA sm90+, portable float32 elsewhere); no "
-        "native scaled MMA yet; verified on H200 (sm90) only",
+        "Triton tl.dot (PTX bf16x2 unpack on CUDA sm90+, portable float32 elsewhere); A8/A4 "
+        "through tl.dot_scaled on GPUs with MX matrix instructions (sm100+, gfx950: compiled "
+        "in CI, run on the H200 only with Triton's emulated scaled MMA); verified on H200 (sm90)",
     )
 
     def run(

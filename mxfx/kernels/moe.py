@@ -85,6 +85,40 @@ def _dot(acc, a, w, SWAP: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _load_mx_activations(a_rows, as_rows, valid, k0, k_hi, stride_ak, A_FMT: tl.constexpr, BK: tl.constexpr):
+    """The MX activation tile at K offsets ``k0 + [0, BK)`` below ``k_hi``: elements
+    ``[R, BK]`` float8_e4m3fn (``A_FMT`` 1) or packed E2M1 bytes ``[R, BK/2]`` (2), and their
+    E8M0 scales ``[R, BK/32]``."""
+    if A_FMT == 2:
+        kq = k0 // 2 + tl.arange(0, BK // 2)
+        a = tl.load(a_rows + kq[None, :] * stride_ak, mask=valid[:, None] & (kq < k_hi // 2)[None, :], other=0)
+    else:
+        kq = k0 + tl.arange(0, BK)
+        a = tl.load(a_rows + kq[None, :] * stride_ak, mask=valid[:, None] & (kq < k_hi)[None, :], other=0)
+        a = a.to(tl.float8e4nv, bitcast=True)
+    kg = k0 // 32 + tl.arange(0, BK // 32)
+    a_s = tl.load(as_rows + kg[None, :], mask=valid[:, None] & (kg < k_hi // 32)[None, :], other=127)
+    return a, a_s
+
+
+@triton.jit
+def _dot_scaled(acc, a, a_s, p, s, A_FMT: tl.constexpr, SWAP: tl.constexpr):
+    """``acc + A @ W.T`` for MX activations ``a``, ``a_s`` (:func:`_load_mx_activations`) and
+    MXFP4 weight bytes ``p [R, BK/2]`` with scales ``s [R, BK/32]``; ``SWAP``: the transpose,
+    the weights as the left operand."""
+    if A_FMT == 2:
+        if SWAP:
+            return tl.dot_scaled(p, s, "e2m1", tl.trans(a), a_s, "e2m1", acc)
+        else:
+            return tl.dot_scaled(a, a_s, "e2m1", tl.trans(p), s, "e2m1", acc)
+    else:
+        if SWAP:
+            return tl.dot_scaled(p, s, "e2m1", tl.trans(a), a_s, "e4m3", acc)
+        else:
+            return tl.dot_scaled(a, a_s, "e4m3", tl.trans(p), s, "e2m1", acc)
+
+
+@triton.jit
 def _mma(acc, a, p, s, W_MXFP4: tl.constexpr, PTX_UNPACK: tl.constexpr, IEEE: tl.constexpr,
          SWAP: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
          BK: tl.constexpr):
@@ -127,6 +161,7 @@ def _moe_gemm(
     out_ptr, stride_os, stride_om, stride_on,
     N, up_offset,
     alpha, beta, limit,
+    as_ptr, stride_asm,
     K: tl.constexpr,
     A_ROW_DIV: tl.constexpr,
     GATED: tl.constexpr,
@@ -145,6 +180,7 @@ def _moe_gemm(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    A_FMT: tl.constexpr,
 ):
     # Gated: the tile's weight rows alternate gate, up (BW = 2*BLOCK_N rows, one MMA), in
     # either layout; the epilogue splits the accumulator's columns back into the two.
@@ -179,26 +215,37 @@ def _moe_gemm(
         acc = tl.zeros((BW, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BW), dtype=tl.float32)
-    # The next K step's loads are issued before this step's unpack and MMA, so that their
-    # latency hides behind the arithmetic (register double buffering).
     k_lo = ks * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     kk = tl.arange(0, BLOCK_K)
-    a = tl.load(a_rows + (k_lo + kk)[None, :] * stride_ak, mask=valid[:, None] & (k_lo + kk < k_hi)[None, :],
-                other=0.0)
-    p, s = _load_weights(w_base, s_base, rows, row_ok, k_lo, k_hi, stride_wn, stride_wk, stride_sn,
-                         stride_sk, W_MXFP4, PTX_UNPACK, BLOCK_K)
-    for i in range(0, K_SPLIT // BLOCK_K):
-        k0 = k_lo + i * BLOCK_K
-        kn = k0 + BLOCK_K + kk
-        a_next = tl.load(a_rows + kn[None, :] * stride_ak, mask=valid[:, None] & (kn < k_hi)[None, :],
-                         other=0.0)
-        p_next, s_next = _load_weights(w_base, s_base, rows, row_ok, k0 + BLOCK_K, k_hi, stride_wn,
-                                       stride_wk, stride_sn, stride_sk, W_MXFP4, PTX_UNPACK, BLOCK_K)
-        acc = _mma(acc, a, p, s, W_MXFP4, PTX_UNPACK, IEEE, SWAP, SPLIT, BLOCK_M, BW, BLOCK_K)
-        a = a_next
-        p = p_next
-        s = s_next
+    if A_FMT != 0:
+        # MX activations (elements and scales) times MXFP4 weights by tl.dot_scaled: the
+        # GPU's scaled MMA where it has one. Plain loads, for Triton to pipeline.
+        as_rows = as_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_asm
+        for i in range(0, K_SPLIT // BLOCK_K):
+            k0 = k_lo + i * BLOCK_K
+            a, a_s = _load_mx_activations(a_rows, as_rows, valid, k0, k_hi, stride_ak, A_FMT, BLOCK_K)
+            p, s = _load_weights(w_base, s_base, rows, row_ok, k0, k_hi, stride_wn, stride_wk, stride_sn,
+                                 stride_sk, W_MXFP4, False, BLOCK_K)
+            acc = _dot_scaled(acc, a, a_s, p, s, A_FMT, SWAP)
+    else:
+        # The next K step's loads are issued before this step's unpack and MMA, so that
+        # their latency hides behind the arithmetic (register double buffering).
+        a = tl.load(a_rows + (k_lo + kk)[None, :] * stride_ak,
+                    mask=valid[:, None] & (k_lo + kk < k_hi)[None, :], other=0.0)
+        p, s = _load_weights(w_base, s_base, rows, row_ok, k_lo, k_hi, stride_wn, stride_wk, stride_sn,
+                             stride_sk, W_MXFP4, PTX_UNPACK, BLOCK_K)
+        for i in range(0, K_SPLIT // BLOCK_K):
+            k0 = k_lo + i * BLOCK_K
+            kn = k0 + BLOCK_K + kk
+            a_next = tl.load(a_rows + kn[None, :] * stride_ak, mask=valid[:, None] & (kn < k_hi)[None, :],
+                             other=0.0)
+            p_next, s_next = _load_weights(w_base, s_base, rows, row_ok, k0 + BLOCK_K, k_hi, stride_wn,
+                                           stride_wk, stride_sn, stride_sk, W_MXFP4, PTX_UNPACK, BLOCK_K)
+            acc = _mma(acc, a, p, s, W_MXFP4, PTX_UNPACK, IEEE, SWAP, SPLIT, BLOCK_M, BW, BLOCK_K)
+            a = a_next
+            p = p_next
+            s = s_next
 
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e64 * stride_be + rows * stride_bn, mask=row_ok & (ks == 0), other=0.0)
@@ -301,7 +348,10 @@ def _gemm(
     act: Optional[GatedActivation] = None,
     route_weights: Optional[torch.Tensor] = None,
     aq: ActivationQuant = ActivationQuant(),
+    a_mx: Optional[tuple[str, torch.Tensor]] = None,
 ) -> None:
+    """One grouped GEMM launch. ``a_mx``: ``a`` holds MX elements (:func:`mx.quantize`) in
+    this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only)."""
     quantized = w_scale is not None
     s = w_scale if quantized else w  # unused pointer when float
     b = bias if bias is not None else w
@@ -339,8 +389,9 @@ def _gemm(
         if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
             mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
         return
+    a_fmt, a_scale = a_mx if a_mx is not None else ("none", w)
     _GEMM[(num_blocks * cdiv(n_out, block_n) * split_k,)](
-        *args, **common,
+        *args, a_scale, a_scale.stride(0), **common,
         W_MXFP4=quantized,
         AQ=mx.FMT_CODES[aq.fmt],
         AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
@@ -352,10 +403,12 @@ def _gemm(
         BLOCK_N=block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=split_k,
+        A_FMT=mx.FMT_CODES[a_fmt],
         num_warps=cfg.num_warps,
         # The K loop double-buffers its loads by hand: Triton's pipeliner does not take
-        # loads that are unpacked in registers before the MMA (2-3 stages measured no faster).
-        num_stages=1,
+        # loads that are unpacked in registers before the MMA (2-3 stages measured no
+        # faster). The tl.dot_scaled loop leaves its loads to the pipeliner.
+        num_stages=1 if a_mx is None else 3,
     )
 
 
@@ -374,13 +427,13 @@ def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tupl
     return T, H, topk_ids.shape[1], inter
 
 
-def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg) -> torch.Tensor:
+def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=None) -> torch.Tensor:
     T, H = x.shape
     num_pairs = routing.num_pairs
     y = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=x.device)
     _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, y.stride(0), H,
-          inter.shape[1], cfg, block_n=cfg.block_n2, split_k=cfg.split_k2,
-          route_weights=topk_weights.reshape(-1))
+          weights.w2.shape[2] * (2 if weights.quantized else 1), cfg, block_n=cfg.block_n2,
+          split_k=cfg.split_k2, route_weights=topk_weights.reshape(-1), a_mx=a_mx)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     block_h = min(1024, next_power_of_2(H))
     _SUM_SLOTS[(T, cdiv(H, block_h))](
@@ -416,12 +469,21 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
-    cfg = pick_config(T * k, weights.num_experts, hopper_fits(x, weights))
+    native = aq.fmt != "none" and weights.quantized and mx.native_scaled_mma(x.device)
+    cfg = pick_config(T * k, weights.num_experts, hopper_fits(x, weights) and not native)
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
+    inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
+    if native:
+        # Each GEMM's input quantized as the emulation does it, kept as MX elements and
+        # scales for the scaled MMA: x here, the intermediate once GEMM1 has written it.
+        xq, xs = mx.quantize(x if x.stride(1) == 1 else x.contiguous(), aq.fmt, aq.scale_rounding)
+        _gemm(xq, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
+              H, cfg, block_n=cfg.block_n1, act=act, a_mx=(aq.fmt, xs))
+        iq, iscale = mx.quantize(inter, aq.fmt, aq.scale_rounding)
+        return _gemm2_and_sum(iq, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=(aq.fmt, iscale))
     # Activation quantization, as the emulation does it: x once here (a [T, H] temporary),
     # the intermediate in GEMM1's epilogue.
     x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
-    inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
           H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)

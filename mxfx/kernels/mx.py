@@ -7,9 +7,12 @@
 - :func:`qdq`: quantize-dequantize an activation tile per 32-block along K, with the same
   shared-exponent rule (``floor`` / ``round_up`` / ``even``) and element rounding (E2M1 or
   E4M3, nearest even, saturating) as :func:`mxfx.formats.quantize_dequantize`.
-- :func:`quantize_dequantize`, :func:`dequantize_mxfp4`: those helpers as standalone
-  kernels (the MoE uses the first for its input under activation quantization; tests
-  check both bit for bit against :mod:`mxfx.formats`).
+- :func:`quantize_parts`: the same quantization kept as MX elements and E8M0 scales (what
+  ``tl.dot_scaled`` takes), bit for bit as :func:`mxfx.formats.quantize`.
+- :func:`quantize_dequantize`, :func:`quantize`, :func:`dequantize_mxfp4`: those helpers as
+  standalone kernels (the MoE quantizes its GEMM inputs with the first, or with the second
+  where :func:`native_scaled_mma`; tests check all three bit for bit against
+  :mod:`mxfx.formats`).
 
 The bit tricks below rely on subnormals being kept (no flush to zero), which is what
 Triton emits for plain float32 multiplies and what PTX bf16x2 multiplies do.
@@ -169,6 +172,19 @@ def ptx_unpack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and device.type == "cuda" and _has_bf16x2_ptx(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _native_scaled_mma(device: torch.device) -> bool:
+    if torch.version.hip:
+        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0] == "gfx950"
+    return torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def native_scaled_mma(device: torch.device) -> bool:
+    """Whether ``device`` has MX matrix instructions (NVIDIA sm_100 and later, AMD gfx950),
+    which ``tl.dot_scaled`` uses for MX activations times MXFP4 weights."""
+    return device.type == "cuda" and _native_scaled_mma(device)
+
+
 def word_loadable(packed: torch.Tensor) -> bool:
     """Whether packed MXFP4 bytes (K last, contiguous) can be read as aligned int32 words:
     4-byte aligned start and every other stride a multiple of 4 bytes."""
@@ -210,12 +226,10 @@ def _round_e4m3(mag):
 
 
 @triton.jit
-def qdq(x, FMT: tl.constexpr, ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """MX quantize-dequantize of ``x [BM, BK]`` per 32-block along K → ``x.dtype``.
-
-    ``FMT``: 1 mxfp8 (E4M3), 2 mxfp4 (E2M1). ``ROUNDING``: 0 floor, 1 round_up, 2 even.
-    A block holding NaN or Inf comes back all NaN.
-    """
+def _mx_blocks(x, FMT: tl.constexpr, ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The MX quantization of ``x [BM, BK]`` per 32-block along K: the elements' rounded
+    magnitudes (float32, in units of the scale) and sign bits ``[BM, BK/32, 32]``, the
+    shared exponents and whether each block holds NaN or Inf ``[BM, BK/32]``."""
     if FMT == 2:
         EMAX: tl.constexpr = 2
         MBITS: tl.constexpr = 1
@@ -241,10 +255,46 @@ def qdq(x, FMT: tl.constexpr, ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.c
         r = _round_e2m1(tl.abs(v))
     else:
         r = _round_e4m3(tl.minimum(tl.abs(v), MAXV))
+    return r, sign, e, bad
+
+
+@triton.jit
+def qdq(x, FMT: tl.constexpr, ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """MX quantize-dequantize of ``x [BM, BK]`` per 32-block along K → ``x.dtype``.
+
+    ``FMT``: 1 mxfp8 (E4M3), 2 mxfp4 (E2M1). ``ROUNDING``: 0 floor, 1 round_up, 2 even.
+    A block holding NaN or Inf comes back all NaN.
+    """
+    r, sign, e, bad = _mx_blocks(x, FMT, ROUNDING, BM, BK)
     q = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     y = q * pow2(e)[:, :, None]
     y = tl.where(bad[:, :, None], float("nan"), y)
     return tl.reshape(y, (BM, BK)).to(x.dtype)
+
+
+@triton.jit
+def quantize_parts(x, FMT: tl.constexpr, ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """MX quantization of ``x [BM, BK]`` per 32-block along K, as :func:`mxfx.formats.quantize`
+    → ``(elements, scales)``: uint8 ``[BM, BK]`` float8_e4m3fn bits (``FMT`` 1) or
+    ``[BM, BK/2]`` E2M1 codes, element 2i in the low nibble (``FMT`` 2); uint8 E8M0 scales
+    ``[BM, BK/32]``, 0xFF for a block holding NaN or Inf (whose elements are then 0)."""
+    r, sign, e, bad = _mx_blocks(x, FMT, ROUNDING, BM, BK)
+    r = tl.where(bad[:, :, None], 0.0, r)
+    neg = (sign != 0) & ~bad[:, :, None]
+    if FMT == 2:
+        r2 = (r * 2.0).to(tl.int32)  # the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 doubled
+        code = tl.where(r2 <= 4, r2, tl.where(r2 == 6, 5, tl.where(r2 == 8, 6, 7)))
+        code = tl.reshape(code | (neg.to(tl.int32) << 3), (BM, BK // 2, 2))
+        lo, hi = tl.split(code)
+        elements = (lo | (hi << 4)).to(tl.uint8)
+    else:
+        # E4M3: exponent bias 7, three mantissa bits; below 2^-6 the subnormal steps of 2^-9.
+        bits = r.to(tl.int32, bitcast=True)
+        normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+        code = tl.where(r >= 0.015625, normal, (r * 512.0).to(tl.int32))
+        elements = tl.reshape(code | (neg.to(tl.int32) << 7), (BM, BK)).to(tl.uint8)
+    scales = tl.where(bad, 255, e + 127).to(tl.uint8)
+    return elements, scales
 
 
 @triton.jit
@@ -282,6 +332,48 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even",
         _QDQ[grid](x, out, M, K, x.stride(0), out.stride(0), FMT=FMT_CODES[fmt],
                    ROUNDING=ROUNDING_CODES[scale_rounding], BM=bm, BK=bk)
     return out
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, FMT: tl.constexpr,
+                     ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    row_ok = (rows < M)[:, None]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
+                mask=row_ok & (cols < K)[None, :], other=0.0)
+    elements, scales = quantize_parts(x, FMT, ROUNDING, BM, BK)
+    QK: tl.constexpr = BK // 2 if FMT == 2 else BK
+    qc = tl.program_id(1) * QK + tl.arange(0, QK)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + qc[None, :], elements,
+             mask=row_ok & (qc < K // (BK // QK))[None, :])
+    sc = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+    tl.store(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + sc[None, :], scales,
+             mask=row_ok & (sc < K // 32)[None, :])
+
+
+_QUANTIZE = Launcher(_quantize_kernel)
+
+
+def quantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mxfx.formats.quantize` of a 2-D ``x [M, K]`` (K a multiple of 32, unit stride
+    along K) in a Triton kernel → ``(elements, scales)``, both uint8: ``[M, K]`` float8_e4m3fn
+    bits (``"mxfp8"``) or ``[M, K/2]`` packed E2M1 codes (``"mxfp4"``), and ``[M, K/32]`` E8M0."""
+    if fmt not in ("mxfp8", "mxfp4"):
+        raise ValueError(f"fmt: got {fmt!r}, expected 'mxfp8' or 'mxfp4'")
+    formats.check_scale_rounding(scale_rounding)
+    if x.dim() != 2 or x.shape[1] % formats.BLOCK != 0 or x.stride(1) != 1:
+        raise ValueError(f"x: expected [M, K] with K a multiple of 32 and unit stride along K, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    M, K = x.shape
+    q = torch.empty(M, K // 2 if fmt == "mxfp4" else K, dtype=torch.uint8, device=x.device)
+    s = torch.empty(M, K // formats.BLOCK, dtype=torch.uint8, device=x.device)
+    bm, bk = 16, 64
+    if M and K:
+        _QUANTIZE[(cdiv(M, bm), cdiv(K, bk))](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
+                                              FMT=FMT_CODES[fmt], ROUNDING=ROUNDING_CODES[scale_rounding],
+                                              BM=bm, BK=bk)
+    return q, s
 
 
 @triton.jit

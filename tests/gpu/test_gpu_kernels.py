@@ -130,6 +130,26 @@ def test_activation_quant_equals_emulation(fmt):
     assert _rel_err(out, ref) < 0.2 * gap
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("T,E,H,I,dtype,tol", [(64, 8, 512, 384, torch.float32, 1e-5),
+                                                (9, 4, 352, 224, torch.float32, 1e-5),
+                                                (3, 8, 2880, 2880, torch.bfloat16, 1e-2),
+                                                (200, 8, 2880, 2880, torch.bfloat16, 1e-2)])
+def test_scaled_mma_path_equals_emulation(monkeypatch, fmt, T, E, H, I, dtype, tol):
+    """The A8/A4 path of GPUs with MX matrix instructions (each GEMM input quantized into MX
+    elements and scales, tl.dot_scaled), forced here, where Triton emulates the scaled MMA:
+    in float32 equal to emulation up to accumulation order."""
+    from mxfx.kernels import mx
+
+    monkeypatch.setattr(mx, "native_scaled_mma", lambda device: True)
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
+    seen = []
+    launch = moe._GEMM._launch
+    monkeypatch.setattr(moe._GEMM, "_launch", lambda g, a, m: seen.append(m["A_FMT"]) or launch(g, a, m))
+    _check(moe.fused_moe, T, E, H, I, 4 if E == 8 else 2, dtype, GPT_OSS, aq=ActivationQuant(fmt, "even"), tol=tol)
+    assert seen == [mx.FMT_CODES[fmt]] * 2
+
+
 def test_qdq_and_dequant_bit_exact_bf16():
     from mxfx.kernels import mx
 
