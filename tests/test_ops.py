@@ -199,6 +199,22 @@ def test_gradcheck_gated_activation(layout, limit):
     assert torch.autograd.gradcheck(lambda t: ops.gated_activation(t, layout, 1.702, 1.0, limit), (xt,))
 
 
+def test_moe_forward_with_grad_inputs_but_backward_raises():
+    """An inference op: with inputs that require grad the forward runs (as in a model not
+    under no_grad), and asking for its backward is an error, never a silent zero gradient."""
+    args = _moe_args(bias=True)
+    args["w13"].requires_grad_(True)
+    pos, kw = _split(args)
+    out = ops.moe(*pos, **kw, backend="emulation")
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="mxfx.moe has no backward"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not ops.moe(*pos, **kw, backend="emulation").requires_grad
+    args["w13"].requires_grad_(False)
+    assert not ops.moe(*_split(args)[0], backend="emulation").requires_grad
+
+
 def test_gated_activation_matches_formula():
     x = torch.randn(6, 40, generator=_gen(7), dtype=torch.float64) * 6
     for name, act in PRESETS.items():

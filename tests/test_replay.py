@@ -36,8 +36,8 @@ def logged(monkeypatch) -> list:
         _, call = launch.key_and_call(0, args, meta)
         direct = _Logged(self._kernel.__name__)
         direct(grid, 0, call)
-        if launch._recording is not None:
-            launch._recording.append((direct, grid, args, call))
+        if launch.recorded() is not None:
+            launch.recorded().append((direct, grid, args, call))
 
     monkeypatch.setattr(launch.Launcher, "_launch", fake_launch)
     monkeypatch.setattr(launch, "direct_launches", lambda t: True)
@@ -130,9 +130,21 @@ def test_a_call_doing_more_than_launches_is_left_unplanned(logged):
 
 def test_a_launch_through_triton_leaves_the_call_unplanned(logged, monkeypatch):
     def through_triton(self, grid, args, meta):
-        launch._recording.append(None)
+        launch.recorded().append(None)
 
     monkeypatch.setattr(launch.Launcher, "_launch", through_triton)
     rep = Replayer(moe._fused_moe)
     rep(_inputs(2, 0), (GPT_OSS, ActivationQuant()))
     assert list(rep._plans.values()) == ["a launch went through Triton"]
+
+
+def test_a_recording_sees_only_its_own_threads_launches():
+    import threading
+
+    mine, seen = [], []
+    with launch.recording(mine):
+        other = threading.Thread(target=lambda: seen.append(launch.recorded()))
+        other.start()
+        other.join()
+        assert launch.recorded() is mine
+    assert seen == [None] and launch.recorded() is None

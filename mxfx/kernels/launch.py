@@ -3,26 +3,28 @@
 ``kernel[grid](...)`` binds and specializes every argument on each call: about 45 µs of host
 time for the MoE GEMM's 43 arguments on the H200 box, of which the compiled kernel's own C
 launcher is 11 µs. An eager MoE call makes four launches, so :class:`Launcher` keeps the
-compiled kernel per key and calls its launcher directly, with the argument list Triton's own
-launch passes. The key is finer than what Triton 3.6 specializes a CUDA kernel on (each
-tensor's dtype and 16-byte alignment; each integer's width, whether it is 1, whether it is a
-multiple of 16; constexprs and launch options): it holds the integers' values themselves,
-which is cheaper to build than classifying them. So a kernel taking ``T`` gets an entry per
-``T`` seen; the first launch of a key goes through Triton (which compiles only for a new
-specialization).
+compiled kernel per key and calls its C launcher directly (:class:`Direct`), with the argument
+list Triton's own launch passes but tensors given as their addresses (the launcher then skips
+a ``data_ptr()`` call and a driver query per pointer). The key is finer than what Triton 3.6
+specializes a CUDA kernel on (each tensor's dtype and 16-byte alignment; each integer's width,
+whether it is 1, whether it is a multiple of 16; constexprs and launch options): it holds the
+integers' values themselves, which is cheaper to build than classifying them. So a kernel
+taking ``T`` gets an entry per ``T`` seen; the first launch of a key goes through Triton (which
+compiles only for a new specialization). :func:`recording` lets :mod:`mxfx.kernels.replay`
+capture the direct launches of a whole MoE call to replay them without the launch code.
 
 Elsewhere (the interpreter, ROCm, whose backend also specializes on pointer ranges, or with
 Triton launch hooks installed) every launch goes through Triton.
 
-On by default; ``MXFX_FAST_LAUNCH=0`` sends every launch through Triton. On the H200 box one
-eager gpt-oss-120b call at T=1 took 181 µs against 407 µs through Triton (67.7 µs in a CUDA
-graph; ``python tools/profile_moe_eager.py``).
+On by default; ``MXFX_FAST_LAUNCH=0`` sends every launch through Triton (and turns the
+replay off). ``python tools/profile_moe_eager.py`` measures what this saves.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import os
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -31,7 +33,8 @@ from triton import knobs
 
 
 ENABLED = os.environ.get("MXFX_FAST_LAUNCH", "1") != "0"
-_recording: Optional[list] = None
+# Per thread: another thread's launches must not land in a recording.
+_local = threading.local()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,12 +84,17 @@ def direct_launches(t: torch.Tensor) -> bool:
 def recording(into: list) -> Iterator[None]:
     """Appends each launch made inside to ``into``: ``(Direct, grid, args, C launcher's
     arguments)``, or None for a launch that went through Triton (see :mod:`mxfx.kernels.replay`)."""
-    global _recording
-    outer, _recording = _recording, into
+    outer = recorded()
+    _local.recording = into
     try:
         yield
     finally:
-        _recording = outer
+        _local.recording = outer
+
+
+def recorded() -> Optional[list]:
+    """The list this thread's launches are being recorded into, if any."""
+    return getattr(_local, "recording", None)
 
 
 def hooked() -> bool:
@@ -125,8 +133,9 @@ class Launcher:
         first = args[0]
         if not (self._fast and isinstance(first, torch.Tensor) and direct_launches(first)):
             self._kernel[grid](*args, **meta)
-            if _recording is not None:
-                _recording.append(None)
+            into = recorded()
+            if into is not None:
+                into.append(None)
             return
         # Triton launches on the current device (as does this, with the same key).
         device = torch.cuda.current_device()
@@ -137,8 +146,9 @@ class Launcher:
             direct = self._compiled[k] = Direct(compiled, self.constexpr_values(meta))
         else:
             direct(grid, torch._C._cuda_getCurrentRawStream(device), call)
-        if _recording is not None:
-            _recording.append((direct, grid, args, call))
+        into = recorded()
+        if into is not None:
+            into.append((direct, grid, args, call))
 
 
 class Direct:
