@@ -85,6 +85,22 @@ def _check(fn, T, E, H, I, k, dtype, act, aq=ActivationQuant(), tol=5e-3, **kw):
     return out, ref, (x, tw, ids, W)
 
 
+def _spy(monkeypatch, launcher) -> list:
+    """The constexprs of each launch through ``launcher``, logged. The class is patched, not
+    the instance: undoing an instance patch would leave the old bound method on it."""
+    from mxfx.kernels.launch import Launcher
+
+    log, real = [], Launcher._launch
+
+    def spy(self, grid, args, meta):
+        if self is launcher:
+            log.append(meta)
+        return real(self, grid, args, meta)
+
+    monkeypatch.setattr(Launcher, "_launch", spy)
+    return log
+
+
 def _unfused(x, tw, ids, W, act, aq):
     return moe.unfused_moe(x, tw, ids, W, act, activation.gated_activation)
 
@@ -143,11 +159,9 @@ def test_scaled_mma_path_equals_emulation(monkeypatch, fmt, T, E, H, I, dtype, t
 
     monkeypatch.setattr(mx, "native_scaled_mma", lambda device: True)
     monkeypatch.setattr(moe._FUSED, "_plans", {})
-    seen = []
-    launch = moe._GEMM._launch
-    monkeypatch.setattr(moe._GEMM, "_launch", lambda g, a, m: seen.append(m["A_FMT"]) or launch(g, a, m))
+    seen = _spy(monkeypatch, moe._GEMM)
     _check(moe.fused_moe, T, E, H, I, 4 if E == 8 else 2, dtype, GPT_OSS, aq=ActivationQuant(fmt, "even"), tol=tol)
-    assert seen == [mx.FMT_CODES[fmt]] * 2
+    assert [m["A_FMT"] for m in seen] == [mx.FMT_CODES[fmt]] * 2
 
 
 def test_qdq_and_dequant_bit_exact_bf16():
@@ -267,10 +281,8 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
-    calls = []
     monkeypatch.setattr(moe._FUSED, "_plans", {})  # each first call runs the launch code
-    launch = moe_sm90.GEMM_SM90._launch
-    monkeypatch.setattr(moe_sm90.GEMM_SM90, "_launch", lambda g, a, m: calls.append(m) or launch(g, a, m))
+    calls = _spy(monkeypatch, moe_sm90.GEMM_SM90)
     for fn in (moe.fused_moe, _unfused):
         calls.clear()
         _check(fn, T, E, H, I, k, torch.bfloat16, act)
