@@ -315,7 +315,7 @@ _LIB.define(_MOE_SCHEMA)
 _CHECKED: dict[tuple, tuple[Backend, GatedActivation, ActivationQuant]] = {}
 
 
-def _moe_plan(
+def _resolve_moe(
     tensors: tuple, layout: str, alpha: float, beta: float, limit: Optional[float],
     activation_quant: str, backend: str, activation_scale_rounding: str,
 ) -> tuple[Backend, GatedActivation, ActivationQuant]:
@@ -395,7 +395,7 @@ def moe(
         backend: ``"auto"`` (the oracle chooses) or a backend name (honoured or an error).
     """
     tensors = (x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
-    impl, act, aq = _moe_plan(
+    impl, act, aq = _resolve_moe(
         tensors, layout, alpha, beta, limit, activation_quant, backend, activation_scale_rounding
     )
     check_expert_ids(topk_ids, w13.shape[0])
