@@ -148,3 +148,31 @@ def test_a_recording_sees_only_its_own_threads_launches():
         other.join()
         assert launch.recorded() is mine
     assert seen == [None] and launch.recorded() is None
+
+
+def _one_launch(a: torch.Tensor, b: torch.Tensor, view=lambda t: t, ret=None) -> torch.Tensor:
+    """A host function of one launch (the k-sum kernel's launcher, logged by the fixture)."""
+    out = torch.empty(a.shape, dtype=a.dtype)
+    moe._SUM_SLOTS[(1,)](view(a), b, out, 4, 1, 4, 4, TOPK=1, SPLIT_K=1, BLOCK_H=4)
+    return out if ret is None else ret(a, out)
+
+
+@pytest.mark.parametrize("case,static,reason", [
+    ("interior view of an input", (lambda t: t[1:], None), "argument 0 of _sum_slots is not an input"),
+    ("returns an input", (lambda t: t, lambda a, out: a), "its output is not a tensor it allocated"),
+    ("returns a view", (lambda t: t, lambda a, out: out[1:]), "its output is not a tensor it allocated"),
+])
+def test_replay_refuses_what_it_cannot_trace(logged, case, static, reason):
+    rep = Replayer(_one_launch)
+    a, b = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
+    rep((a, b), static)
+    (plan,) = rep._plans.values()
+    assert isinstance(plan, str) and plan.startswith(reason), plan
+
+
+def test_replay_refuses_inputs_sharing_the_address_it_uses(logged):
+    rep = Replayer(_one_launch)
+    a = torch.zeros(8)
+    rep((a, a.view(torch.int32)), (lambda t: t, None))
+    (plan,) = rep._plans.values()
+    assert plan == "argument 0 of _sum_slots is the address of several inputs"
