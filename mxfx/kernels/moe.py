@@ -428,12 +428,12 @@ def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tupl
 
 
 def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=None) -> torch.Tensor:
-    T, H = x.shape
+    T, H, _, inter_size = _sizes(x, topk_ids, weights)
     num_pairs = routing.num_pairs
     y = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=x.device)
     _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, y.stride(0), H,
-          weights.w2.shape[2] * (2 if weights.quantized else 1), cfg, block_n=cfg.block_n2,
-          split_k=cfg.split_k2, route_weights=topk_weights.reshape(-1), a_mx=a_mx)
+          inter_size, cfg, block_n=cfg.block_n2, split_k=cfg.split_k2,
+          route_weights=topk_weights.reshape(-1), a_mx=a_mx)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     block_h = min(1024, next_power_of_2(H))
     _SUM_SLOTS[(T, cdiv(H, block_h))](
