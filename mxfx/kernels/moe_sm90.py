@@ -270,7 +270,7 @@ def _moe_gemm_sm90(
           + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xe, 0), 1), 2), 3))
     # The block's padding rows are not read: a block of few rows would otherwise spend most
     # of its activation traffic on copies of row 0 (T=512: 981 -> 957 µs).
-    x_ok = gl.expand_dims(gl.expand_dims(_x3(m < nrows), 3), 4) & (xk >= 0)
+    x_ok = gl.expand_dims(gl.expand_dims(_x3(m < nrows), 3), 4) & (xk >= 0)  # (& broadcasts to [BM, NI, 4, 4, 8])
 
     if SYNC_MMA:
         x_smem0 = 0  # unused placeholders: the activations stay in registers
@@ -294,7 +294,7 @@ def _moe_gemm_sm90(
         k_end = gl.minimum(k_lo + K_SPLIT, K)
         NFULL: gl.constexpr = 0  # every step masked: the last split may end anywhere
         NS: gl.constexpr = K_SPLIT // BLOCK_K
-    # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads are all unmasked.
+    # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
     ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
     w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
     if NS > 1:
