@@ -25,11 +25,12 @@ def test_every_kernel_compiles_for(target):
     failed = [f"{row['kernel']}: {row['error']}" for row in rows if "error" in row]
     assert not failed, "\n".join(failed)
     assert r.returncode == 0, r.stderr[-2000:]
-    # The Hopper kernel is compiled for sm_90 only (wgmma), and the launch code chooses it there;
+    # The Hopper kernels are compiled for sm_90 only (wgmma), and the launch code chooses them there;
     # on GPUs with MX matrix instructions A8/A4 quantize into MX elements for tl.dot_scaled.
     native = target in ("cuda:100", "hip:gfx950")
     assert {row["kernel"].split()[0] for row in rows} == (
-        KERNELS | ({"_moe_gemm_sm90"} if target == "cuda:90" else set()) | ({"_quantize_kernel"} if native else set()))
+        KERNELS | ({"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel"} if target == "cuda:90" else set())
+        | ({"_quantize_kernel"} if native else set()))
     scaled = {fmt for row in rows for fmt in (1, 2) if f"'A_FMT': {fmt}" in row["kernel"]}
     assert scaled == ({1, 2} if native else set())
     assert len(rows) > 50  # MoE GEMM variants: dtypes, weight kinds, tile regimes, epilogues

@@ -389,8 +389,10 @@ def test_launch_code_feeds_mx_activations_to_the_scaled_mma_where_native(monkeyp
 
 
 def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
-    """The launch code sends bf16 MXFP4 GEMMs with word-readable weights at small T to the
-    Hopper kernel on sm_90, and everything else to the portable one (launches recorded)."""
+    """The launch code sends bf16 MXFP4 GEMMs with word-readable weights on sm_90 to the Hopper
+    kernel at small T and, without activation quantization and with 16-byte aligned weight
+    rows, to the warp-specialized one at large T (x dot-ordered first); everything else to the
+    portable kernel (launches recorded)."""
     import dataclasses
 
     from mxfx.kernels import launch, moe_sm90
@@ -400,7 +402,7 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
     E, H, I, k = 4, 64, 96, 2
 
-    def kernels(T, dtype=torch.bfloat16, quantized=True, w13=None):
+    def kernels(T, dtype=torch.bfloat16, quantized=True, w13=None, aq=ActivationQuant()):
         W = _weights(E, H, I, dtype, quantized, True, 0, "cpu")
         W = dataclasses.replace(W, **{f.name: getattr(W, f.name).contiguous() for f in dataclasses.fields(W)
                                        if getattr(W, f.name) is not None})
@@ -408,7 +410,7 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
             W = dataclasses.replace(W, w13=w13(W.w13))
         ids, tw = _routing_case(T, E, k, 1)
         launched.clear()
-        fused_moe(torch.zeros(T, H, dtype=dtype), tw.to(dtype), ids, W, GPT_OSS, ActivationQuant())
+        fused_moe(torch.zeros(T, H, dtype=dtype), tw.to(dtype), ids, W, GPT_OSS, aq)
         return [name for name, _ in launched if "gemm" in name]
 
     def gemm_meta(*keys):
@@ -418,7 +420,17 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(True, 8)] * 2  # mma.sync
     assert kernels(40) == ["_moe_gemm_sm90"] * 2
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(False, 32)] * 2  # wgmma
-    assert kernels(200) == ["_moe_gemm"] * 2  # large T: the portable kernel
+    assert kernels(200) == ["_moe_gemm_sm90_ws"] * 2  # large T: warp-specialized, on dot-ordered x
+    names = [name for name, _ in launched]
+    assert names.index("_dot_order_kernel") < names.index("_moe_gemm_sm90_ws")
+    assert gemm_meta("BLOCK_M", "DOT_ORDER_OUT") == [(128, True), (128, False)]
+    # 40 rows per expert: the same 128-row blocks (the kernel narrows its MMAs to the rows).
+    assert kernels(80) == ["_moe_gemm_sm90_ws"] * 2 and gemm_meta("BLOCK_M", "num_warps") == [(128, 4)] * 2
+    assert kernels(200, aq=ActivationQuant("mxfp8", "even")) == ["_moe_gemm"] * 2
+    # Rows 4 but not 16 bytes apart: words, but no 16-byte copies.
+    shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
+    assert kernels(200, w13=shifted) == ["_moe_gemm"] * 2
+    assert kernels(40, w13=shifted) == ["_moe_gemm_sm90"] * 2
     assert kernels(3, torch.float16) == ["_moe_gemm"] * 2  # the unpack makes bf16
     assert kernels(3, quantized=False) == ["_moe_gemm"] * 2
     # Rows of the packed weights not a multiple of 4 bytes apart: not readable as words, and
@@ -428,3 +440,22 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     assert gemm_meta("BLOCK_M") == [(16,)] * 2
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: False)
     assert kernels(3) == ["_moe_gemm"] * 2
+
+
+@pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 200), (5, 256)])
+def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K):
+    """moe_sm90_ws.dot_order: natural K offset 128i + 32c + 8j + 4b1 + 2b0 + e (lane c's byte
+    4j + 2b1 + b0, nibble e) lands at 128i + 32j + 16b1 + 8b0 + 2c + e, the order in which the
+    Hopper kernels' unpack lays the weights into A fragments; the padding up to a multiple of
+    128 columns is zero, and rows keep their strides."""
+    from mxfx.kernels import moe_sm90_ws
+
+    x = torch.randn(M, K + 3)[:, :K]
+    out = moe_sm90_ws.dot_order(x)
+    KP = -(-K // 128) * 128
+    k = torch.arange(K)
+    r = k % 128
+    pos = k - r + 32 * ((r // 8) % 4) + 16 * ((r // 4) % 2) + 8 * ((r // 2) % 2) + 2 * (r // 32) + r % 2
+    ref = torch.zeros(M, KP)
+    ref[:, pos] = x
+    assert out.shape == (M, KP) and torch.equal(out, ref)

@@ -23,7 +23,8 @@ emulation backend.
 
 On a Hopper GPU, MXFP4 weights with bfloat16 activations at small and mid T go to
 :mod:`mxfx.kernels.moe_sm90` instead (same arguments and epilogues; under activation
-quantization the intermediate is then quantize-dequantized by a separate pass).
+quantization the intermediate is then quantize-dequantized by a separate pass), and without
+activation quantization at large T to :mod:`mxfx.kernels.moe_sm90_ws`.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from mxfx.activation import GatedActivation
 from mxfx.backends.base import ActivationQuant, MoEWeights
-from mxfx.kernels import moe_sm90, mx
+from mxfx.kernels import moe_sm90, moe_sm90_ws, mx
 from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 from mxfx.kernels.replay import Replayer
 from mxfx.kernels.routing import Routing, align
@@ -305,16 +306,23 @@ class GemmConfig(NamedTuple):
     split_k2: int = 1  # GEMM2's K range split over this many programs (partials, fixed-order sum)
     sm90: bool = False  # the Hopper kernel (mxfx.kernels.moe_sm90), for MXFP4 weights
     sync_mma: bool = False  # there, mma.sync with the activations in registers, not wgmma
+    ws: bool = False  # the warp-specialized Hopper kernel (mxfx.kernels.moe_sm90_ws), dot-ordered inputs
 
 
-def pick_config(num_pairs: int, num_experts: int, hopper: bool = False) -> GemmConfig:
+def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
+                warp_specialized: bool = False) -> GemmConfig:
     """Tile shapes from the mean rows per expert, measured on the H200 (tools/PERF_LOG.md):
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
     operand, on Hopper (``hopper``: :func:`hopper_fits`) in :mod:`mxfx.kernels.moe_sm90`,
     where up to 4 rows per expert take 8-row blocks and mma.sync (no shared memory, no
     barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks); once it is matrix-bound,
-    large blocks with one MMA per K step."""
+    large blocks with one MMA per K step, on Hopper in the warp-specialized kernel where the
+    call allows it (``warp_specialized``: bf16 without activation quantization; T=1024 1358
+    -> 1215 µs, T=4096 ~2950 -> 2390; at T=512, 16 rows per expert, it is slower: 1163 against
+    969)."""
     rows = num_pairs / num_experts
+    if hopper and warp_specialized and rows >= 32:
+        return GemmConfig(128, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is smaller than two
         # programs per SM, so its K range is split in two (T=1: 45.3 -> 42.7 µs).
@@ -381,6 +389,9 @@ def _gemm(
         HAS_BIAS=bias is not None,
         ROUTE_WEIGHT=route_weights is not None,
     )
+    if cfg.ws:
+        moe_sm90_ws.launch(args, common, num_blocks, n_out, cfg.block_m)
+        return
     if cfg.sm90 and quantized:
         block_n = 32 if gated else 64
         moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
@@ -455,8 +466,9 @@ def fused_moe(
 
     Shapes as :func:`mxfx.backends.emulation.moe`; returns ``[T, H]`` in ``x.dtype``.
     Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[S, T*k, H]`` float32 (S =
-    ``split_k2`` of :func:`pick_config`), and under
-    activation quantization the quantize-dequantized ``x``. Replayed from a launch plan
+    ``split_k2`` of :func:`pick_config`), and under activation quantization the
+    quantize-dequantized ``x``; in the warp-specialized kernel ``x`` dot-ordered and both it
+    and the intermediate padded to a multiple of 128 columns. Replayed from a launch plan
     (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
     """
     w = weights
@@ -470,8 +482,15 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     native = aq.fmt != "none" and weights.quantized and mx.native_scaled_mma(x.device)
-    cfg = pick_config(T * k, weights.num_experts, hopper_fits(x, weights) and not native)
+    hopper = hopper_fits(x, weights) and not native
+    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and aq.fmt == "none" and moe_sm90_ws.fits(weights))
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
+    if cfg.ws:
+        # Both GEMM inputs in the dot's K order: x here, the intermediate as GEMM1 stores it.
+        inter = torch.empty(T * k, moe_sm90_ws.padded(inter_size), dtype=x.dtype, device=x.device)
+        _gemm(moe_sm90_ws.dot_order(x), k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0,
+              inter_size, H, cfg, block_n=cfg.block_n1, act=act)
+        return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
     inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
     if native:
         # Each GEMM's input quantized as the emulation does it, kept as MX elements and

@@ -1,6 +1,7 @@
 """The MoE GEMM for Hopper (sm_90) in Gluon, for MXFP4 weights and bfloat16 activations while
 few rows share each weight (small T), where the portable kernel of :mod:`mxfx.kernels.moe` is
-bound by its instruction count.
+bound by its instruction count. Its tile rows, unpack and epilogue are shared with
+:mod:`mxfx.kernels.moe_sm90_ws`, the warp-specialized kernel for many rows per block.
 
 :func:`_moe_gemm_sm90` takes the same runtime arguments as ``moe._moe_gemm`` and computes the
 same GEMM1 (gated or not) and GEMM2 epilogues, except activation quantization (the caller
@@ -16,7 +17,7 @@ quantizes the intermediate afterwards). What differs is how the weights reach th
 - The activations are the B operand, in one of two ways. ``SYNC_MMA`` (blocks of 8 rows,
   while the weights dominate): each lane loads the same 32-K segment of the block's rows
   straight into mma.sync B fragments, every warp on its own, with no shared memory, barrier
-  or proxy fence in the loop. Otherwise (16 to 128 rows): the block's rows are staged to
+  or proxy fence in the loop. Otherwise (16 to 32 rows): the block's rows are staged to
   shared memory once for the four warps and multiplied by wgmma.
 - Gated tiles interleave gate and up rows by 8 so that one thread holds both halves of a
   column (accumulator rows r and r+8).
@@ -84,15 +85,16 @@ def _log2(n):
 
 
 @gluon.constexpr_function
-def _w_layout(NI):
-    """``[64, NI, 4, 4, 8]`` (tile row, segment group i, lane c = segment c + 4i, word in the
-    segment, value in the word): a thread owns rows 16w + t/4 and +8 and its 4 words of a
-    segment are contiguous."""
-    reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [8, 0, 0, 0, 0]]
-    reg += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))]
+def _w_layout(NI, NW=4, J=4):
+    """``[16 NW, NI, 4, J, 8]`` (tile row, segment group i, lane c = segment c + 4i, word in the
+    segment, value in the word): a thread owns rows 16w + t/4 and +8 and its J words of a
+    segment are contiguous (J = 4: all of them; fewer: the words of one part of a K step,
+    see :func:`_unpack_a`)."""
+    reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]] + [[0, 0, 0, 1 << b, 0] for b in range(_log2(J))]
+    reg += [[8, 0, 0, 0, 0]] + [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))]
     lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
-    warp = [[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [64, NI, 4, 4, 8])
+    warp = [[16 << b, 0, 0, 0, 0] for b in range(_log2(NW))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * NW, NI, 4, J, 8])
 
 
 @gluon.constexpr_function
@@ -123,9 +125,12 @@ def _xb_layout(BM, NI):
 
 @gluon.jit
 def _to_dot_order(v, R: gl.constexpr, BK: gl.constexpr):
-    """``[R, NI, 4, 4, 8]`` in natural K order (k = 128i + 32c + 8j + 2b + e, byte 4j + b)
-    → ``[R, BK]`` in the dot's order (k' = 128i + 32j + 16(b//2) + 8(b%2) + 2c + e)."""
-    v = gl.reshape(v, [R, BK // 128, 4, 4, 2, 2, 2])
+    """``[R, NI, 4, J, 8]`` in natural K order (k = 128i + 32c + 8j + 2b + e, byte 4j + b)
+    → ``[R, BK]`` in the dot's order (k' = 128i + 32j + 16(b//2) + 8(b%2) + 2c + e). With
+    J < 4 words per segment (BK = 32 J), the first J words of each segment in that order: the
+    first 32 J columns of a 128-wide step."""
+    J: gl.constexpr = 4 if BK >= 128 else BK // 32
+    v = gl.reshape(v, [R, BK // (32 * J), 4, J, 2, 2, 2])
     v = gl.permute(v, [0, 1, 3, 4, 5, 2, 6])
     return gl.reshape(v, [R, BK])
 
@@ -137,27 +142,36 @@ def _x3(v):
 
 
 @gluon.jit
-def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
-    """Weight words ``[64, NI, 4, 4]`` int32, scales ``[64, NI, 4]`` uint8, activations
-    ``[BM, NI, 4, 4, 8]`` of the K step at ``k0`` (zeros where ``x_ok`` is false); ``MASKED``:
-    zeros from ``k_end`` on."""
+def _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED: gl.constexpr):
+    """Weight words ``[64, NI, 4, 4]`` int32 and scales ``[64, NI, 4]`` uint8 of the K step at
+    ``k0``; ``MASKED``: zeros (scale 1) from ``k_end`` on."""
     if MASKED:
         w = gl.load(w_rows + (k0 // 8 + wc), mask=k0 // 8 + wc < k_end // 8, other=0)
         s = gl.load(s_rows + (k0 // 32 + sg), mask=k0 // 32 + sg < k_end // 32, other=127)
-        x = gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
     else:
         w = gl.load(w_rows + (k0 // 8 + wc))
         s = gl.load(s_rows + (k0 // 32 + sg))
+    return w, s
+
+
+@gluon.jit
+def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
+    """:func:`_load_w` and the activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0``
+    (zeros for the rows where ``x_ok`` is false)."""
+    w, s = _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED)
+    if MASKED:
+        x = gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
+    else:
         x = gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
     return w, s, x
 
 
 @gluon.jit
-def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
-              A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
-    """Unpack one K step's weights into the A fragment, bring its activations in the same K
-    order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``."""
-    z = gl.full([64, BLOCK_K // 128, 4, 4, 8], 0, gl.int32, layout=WL)
+def _unpack_a(w, s, tables, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr, A_L: gl.constexpr):
+    """One K step's weights (:func:`_load_w`) unpacked into the wgmma / mma.sync A fragment
+    ``[ROWS, BLOCK_K]``, K in the dot's order (BLOCK_K < 128: words ``[ROWS, 1, 4, BLOCK_K / 32]``,
+    a part of a step that :func:`_to_dot_order` places)."""
+    z = gl.full([ROWS, max(BLOCK_K // 128, 1), 4, min(BLOCK_K // 32, 4), 8], 0, gl.int32, layout=WL)
     sb, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(s.to(gl.int32), 3), 4), z)
     wb, _ = gl.broadcast(gl.expand_dims(w, 4), z)
     tlo = z + tables
@@ -165,7 +179,15 @@ def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
     v = gl.inline_asm_elementwise(_UNPACK, _UNPACK_CONSTRAINTS, [wb, sb, tlo, thi],
                                   dtype=gl.bfloat16, is_pure=True, pack=8)
     # The unpacked registers are the fragment already: the conversion must move nothing.
-    a = gl.convert_layout(_to_dot_order(v, 64, BLOCK_K), A_L, assert_trivial=True)
+    return gl.convert_layout(_to_dot_order(v, ROWS, BLOCK_K), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
+              A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
+    """Unpack one K step's weights into the A fragment, bring its activations in the same K
+    order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``."""
+    a = _unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L)
     if SYNC_MMA:  # each lane loaded its B fragments: again nothing moves
         b = gl.convert_layout(gl.permute(_to_dot_order(x, BLOCK_M, BLOCK_K), [1, 0]), B_L, assert_trivial=True)
         return mma_v2(a, b, acc)
@@ -174,6 +196,116 @@ def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
         fence_async_shared()
         gl.thread_barrier()
         return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+
+
+@gluon.jit
+def _tile_row(r, n0, N, up_offset, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr):
+    """The weight row of tile row ``r`` (see :func:`_weight_rows`)."""
+    if GATED:
+        col = gl.minimum(n0 + 8 * (r // 16) + r % 8, N - 1)
+        return col * GATE_STRIDE + ((r // 8) % 2) * up_offset
+    else:
+        return gl.minimum(n0 + r, N - 1)
+
+
+@gluon.jit
+def _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                 GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, ROWS: gl.constexpr, NI: gl.constexpr,
+                 WL: gl.constexpr):
+    """Addresses of the tile's ``ROWS`` weight rows (``w_rows`` as int32 words, ``s_rows``), the word
+    and scale offsets of one K step (``wc``, ``sg``) and the prmt table word (:func:`_tables`).
+
+    Tile row r: gated, column n0 + 8(r//16) + r%8, gate for (r//8) even, else up; otherwise
+    column n0 + r. Columns past N are clamped onto N-1: loaded, never stored."""
+    W4: gl.constexpr = gl.SliceLayout(4, WL)  # words [ROWS, NI, 4, 4]
+    W3: gl.constexpr = gl.SliceLayout(3, W4)  # scales [ROWS, NI, 4]
+    W2: gl.constexpr = gl.SliceLayout(2, W3)
+    W1: gl.constexpr = gl.SliceLayout(1, W2)  # rows
+    wrow = _tile_row(gl.arange(0, ROWS, layout=W1), n0, N, up_offset, GATED, GATE_STRIDE)
+    s_rows = _x3(s_ptr + e64 * stride_se + wrow.to(gl.int64) * stride_sn)
+    w_rows = gl.expand_dims(_x3(w_ptr + e64 * stride_we + wrow.to(gl.int64) * stride_wn), 3)
+    w_rows = w_rows.to(gl.pointer_type(gl.int32), bitcast=True)
+    wi = gl.arange(0, NI, layout=gl.SliceLayout(0, W2))
+    wcc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
+    sg = gl.expand_dims(gl.expand_dims(wi * 4, 0), 2) + gl.expand_dims(gl.expand_dims(wcc, 0), 1)  # [1, NI, 4]
+    wj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, W4))))
+    wc = gl.expand_dims(sg * 4, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(wj, 0), 1), 2)  # [1, NI, 4, 4]
+    return w_rows, s_rows, wc, sg, _tables(wrow)
+
+
+@gluon.jit
+def _tables(wrow):
+    """The prmt table word 0xC0800000 of :func:`_unpack_a`, ``[ROWS, 1, 1, 1, 1]``, made opaque
+    and per thread (``wrow`` >= 0, so the OR changes nothing) so that ptxas keeps it in a
+    register rather than copying it from a uniform register before every prmt (~30
+    instructions per K step)."""
+    return gl.expand_dims(gl.expand_dims(_x3(-1065353216 | (wrow >> 31)), 3), 4)
+
+
+@gluon.jit
+def _dot_position(n):
+    """Where natural K offset ``n`` sits in the dot's order of its 128-wide step (see
+    :func:`_to_dot_order`): k = 128i + 32c + 8j + 4b1 + 2b0 + e → 128i + 32j + 16b1 + 8b0 + 2c + e."""
+    k = n % 128
+    return n - k + 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
+
+
+@gluon.jit
+def _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
+              GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+              ROUTE_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+    """Bias, gated activation, routing weight and the store of the ``[ROWS, BLOCK_M]``
+    accumulator, in a plain layout: ``[BLOCK_N, BLOCK_M]``, a warp's lanes along N.
+    ``DOT_ORDER_OUT``: columns stored at :func:`_dot_position` and the row's padding up to a
+    multiple of 128 zeroed, the layout
+    :func:`mxfx.kernels.moe_sm90_ws._moe_gemm_sm90_ws` reads."""
+    BLOCK_N: gl.constexpr = ROWS // 2 if GATED else ROWS
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, ROWS // 16], [0, 1])
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
+    n_ok = n < N
+    mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
+    m_ok = mo < nrows
+    pairs = gl.load(sorted_ptr + blk * BLOCK_M + mo, mask=m_ok, other=0)
+    b_base = bias_ptr + e64 * stride_be
+    if GATED:
+        # Accumulator row 16q + 8u + p is column 8q + p of the gate (u = 0) or up (u = 1).
+        acc = gl.permute(gl.reshape(acc, [ROWS // 16, 2, 8, BLOCK_M]), [0, 2, 3, 1])
+        gate, up = gl.split(acc)
+        gate = gl.convert_layout(gl.reshape(gate, [BLOCK_N, BLOCK_M]), OL)
+        up = gl.convert_layout(gl.reshape(up, [BLOCK_N, BLOCK_M]), OL)
+        if HAS_BIAS:
+            g_rows = n * GATE_STRIDE
+            gate += gl.expand_dims(gl.load(b_base + g_rows * stride_bn, mask=n_ok, other=0.0).to(gl.float32), 1)
+            up += gl.expand_dims(gl.load(b_base + (g_rows + up_offset) * stride_bn, mask=n_ok,
+                                         other=0.0).to(gl.float32), 1)
+        if HAS_LIMIT:
+            gate = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+            up = gl.minimum(gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                            propagate_nan=tl.PropagateNan.ALL)
+        res = gate * (1.0 / (1.0 + gl.exp(-(alpha * gate)))) * (up + beta)
+    else:
+        res = gl.convert_layout(acc, OL)
+        if HAS_BIAS:
+            res += gl.expand_dims(gl.load(b_base + n * stride_bn, mask=n_ok & (ks == 0), other=0.0).to(gl.float32), 1)
+    if ROUTE_WEIGHT:
+        res = res * gl.expand_dims(gl.load(rw_ptr + pairs, mask=m_ok, other=0.0).to(gl.float32), 0)
+    rows = out_ptr + ks * stride_os + gl.expand_dims(pairs.to(gl.int64) * stride_om, 0)
+    mask = gl.expand_dims(m_ok, 0) & gl.expand_dims(n_ok, 1)
+    if DOT_ORDER_OUT:
+        # Columns N up to the next multiple of 128 are zeros (the next GEMM's K padding): this
+        # tile's own past N, and the last tile writes those after it.
+        NP = (N + 127) // 128 * 128
+        gl.store(rows + gl.expand_dims(_dot_position(n), 1),
+                 gl.where(gl.expand_dims(n_ok, 1), res, 0.0).to(out_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(m_ok, 0) & gl.expand_dims(n < NP, 1))
+        if n0 + BLOCK_N >= N:
+            for z0 in range(n0 + BLOCK_N, NP, BLOCK_N):
+                z = z0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
+                gl.store(rows + gl.expand_dims(_dot_position(z), 1), gl.zeros_like(res).to(out_ptr.dtype.element_ty),
+                         mask=gl.expand_dims(m_ok, 0))
+    else:
+        gl.store(rows + gl.expand_dims(n, 1), res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -215,10 +347,6 @@ def _moe_gemm_sm90(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     X_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
-    W4: gl.constexpr = gl.SliceLayout(4, WL)  # words [64, NI, 4, 4]
-    W3: gl.constexpr = gl.SliceLayout(3, W4)  # scales [64, NI, 4]
-    W2: gl.constexpr = gl.SliceLayout(2, W3)
-    W1: gl.constexpr = gl.SliceLayout(1, W2)  # rows
     X4: gl.constexpr = gl.SliceLayout(4, XL)
     X3: gl.constexpr = gl.SliceLayout(3, X4)
     X2: gl.constexpr = gl.SliceLayout(2, X3)
@@ -237,23 +365,8 @@ def _moe_gemm_sm90(
     nrows = gl.load(block_rows_ptr + blk)
     n0 = (pid % num_n) * BLOCK_N
     e64 = expert.to(gl.int64)
-
-    # Tile row r: gated, column n0 + 8(r//16) + r%8, gate for (r//8) even, else up; otherwise
-    # column n0 + r. Columns past N are clamped onto N-1: loaded, never stored.
-    r = gl.arange(0, 64, layout=W1)
-    if GATED:
-        col = gl.minimum(n0 + 8 * (r // 16) + r % 8, N - 1)
-        wrow = col * GATE_STRIDE + ((r // 8) % 2) * up_offset
-    else:
-        wrow = gl.minimum(n0 + r, N - 1)
-    s_rows = _x3(s_ptr + e64 * stride_se + wrow.to(gl.int64) * stride_sn)
-    w_rows = gl.expand_dims(_x3(w_ptr + e64 * stride_we + wrow.to(gl.int64) * stride_wn), 3)
-    w_rows = w_rows.to(gl.pointer_type(gl.int32), bitcast=True)
-    wi = gl.arange(0, NI, layout=gl.SliceLayout(0, W2))
-    wcc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
-    sg = gl.expand_dims(gl.expand_dims(wi * 4, 0), 2) + gl.expand_dims(gl.expand_dims(wcc, 0), 1)  # [1, NI, 4]
-    wj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, W4))))
-    wc = gl.expand_dims(sg * 4, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(wj, 0), 1), 2)  # [1, NI, 4, 4]
+    w_rows, s_rows, wc, sg, tables = _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
+                                                  n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
 
     # The block's activation rows (rows past block_rows are never stored).
     m = gl.arange(0, BLOCK_M, layout=X1)
@@ -279,10 +392,6 @@ def _moe_gemm_sm90(
         x_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
         x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
-    # The prmt table word 0xC0800000, made opaque and per thread (wrow >= 0, so the OR changes
-    # nothing) so that ptxas keeps it in a register rather than copying it from a uniform
-    # register before every prmt (~30 instructions per K step).
-    tables = gl.expand_dims(gl.expand_dims(_x3(-1065353216 | (wrow >> 31)), 3), 4)
 
     if SPLIT_K == 1:
         k_lo = 0
@@ -318,39 +427,9 @@ def _moe_gemm_sm90(
         if j + 2 < NS:
             w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + (j + 2) * BLOCK_K, k_end,
                                     j + 2 >= NFULL)
-
-    # Epilogue in a plain layout: [BLOCK_N, BLOCK_M], a warp's lanes along N.
-    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
-    n_ok = n < N
-    mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
-    m_ok = mo < nrows
-    pairs = gl.load(sorted_ptr + blk * BLOCK_M + mo, mask=m_ok, other=0)
-    b_base = bias_ptr + e64 * stride_be
-    if GATED:
-        # Accumulator row 16q + 8u + p is column 8q + p of the gate (u = 0) or up (u = 1).
-        acc = gl.permute(gl.reshape(acc, [4, 2, 8, BLOCK_M]), [0, 2, 3, 1])
-        gate, up = gl.split(acc)
-        gate = gl.convert_layout(gl.reshape(gate, [BLOCK_N, BLOCK_M]), OL)
-        up = gl.convert_layout(gl.reshape(up, [BLOCK_N, BLOCK_M]), OL)
-        if HAS_BIAS:
-            g_rows = n * GATE_STRIDE
-            gate += gl.expand_dims(gl.load(b_base + g_rows * stride_bn, mask=n_ok, other=0.0).to(gl.float32), 1)
-            up += gl.expand_dims(gl.load(b_base + (g_rows + up_offset) * stride_bn, mask=n_ok,
-                                         other=0.0).to(gl.float32), 1)
-        if HAS_LIMIT:
-            gate = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-            up = gl.minimum(gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                            propagate_nan=tl.PropagateNan.ALL)
-        res = gate * (1.0 / (1.0 + gl.exp(-(alpha * gate)))) * (up + beta)
-    else:
-        res = gl.convert_layout(acc, OL)
-        if HAS_BIAS:
-            res += gl.expand_dims(gl.load(b_base + n * stride_bn, mask=n_ok & (ks == 0), other=0.0).to(gl.float32), 1)
-    if ROUTE_WEIGHT:
-        res = res * gl.expand_dims(gl.load(rw_ptr + pairs, mask=m_ok, other=0.0).to(gl.float32), 0)
-    out = out_ptr + ks * stride_os + gl.expand_dims(pairs.to(gl.int64) * stride_om, 0) + gl.expand_dims(n, 1)
-    gl.store(out, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok, 0) & gl.expand_dims(n_ok, 1))
+    _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+              stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+              ROUTE_WEIGHT, BLOCK_M, 64, False)
 
 
 GEMM_SM90 = Launcher(_moe_gemm_sm90)

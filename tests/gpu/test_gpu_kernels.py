@@ -177,9 +177,10 @@ def test_qdq_and_dequant_bit_exact_bf16():
     assert torch.equal(mx.dequantize_mxfp4(p, s, torch.bfloat16), formats.dequantize(p, s, "mxfp4", torch.bfloat16))
 
 
+@pytest.mark.parametrize("T", [24, 300])  # on Hopper 300 takes the warp-specialized kernel
 @pytest.mark.parametrize("fn", [moe.fused_moe, _unfused], ids=["fused", "unfused"])
-def test_cuda_graph_no_sync_deterministic(fn):
-    E, H, I, k, T = 16, 2880, 2880, 4, 24
+def test_cuda_graph_no_sync_deterministic(fn, T):
+    E, H, I, k = 16, 2880, 2880, 4
     W = _weights(E, H, I, torch.bfloat16)
     x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=1)
     x = x.clone()
@@ -293,6 +294,37 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
     assert not calls
+
+
+@pytest.mark.parametrize(
+    "T,E,H,I,k,act",
+    [
+        (300, 8, 2880, 2880, 4, GPT_OSS),  # ~150 rows per expert: full blocks and quarter-width tails
+        (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0)),  # halves layout, K tail 96
+        (70, 2, 224, 96, 2, SILU_AND_MUL),  # no limit; K = 224, 96: one step and less
+        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0)),  # E = 1, a half-width block
+        (600, 4, 2880, 352, 1, GPT_OSS),  # every token on expert 0
+    ],
+)
+def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act):
+    """On Hopper, bf16 MXFP4 without activation quantization at 32 rows per expert and more
+    runs :mod:`mxfx.kernels.moe_sm90_ws` for both GEMMs of the fused backend, on dot-ordered
+    inputs, and matches emulation with NaN-poisoned padding around every input. The unfused
+    backend, A8, weights not readable as words and rows not 16 bytes apart take the other
+    kernels."""
+    from mxfx.kernels import moe_sm90, moe_sm90_ws
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
+    calls = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
+    _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
+    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(128, True), (128, False)]
+    for fn, kw in ((_unfused, {}), (moe.fused_moe, {"aq": ActivationQuant("mxfp8", "even"), "tol": 1e-2}),
+                   (moe.fused_moe, {"pad": 5}), (moe.fused_moe, {"pad": 4})):
+        calls.clear()
+        _check(fn, T, E, H, I, k, torch.bfloat16, act, **kw)
+        assert not calls
 
 
 def test_expert_id_beyond_E_is_a_device_side_assert():

@@ -1,0 +1,298 @@
+"""The MoE GEMM for Hopper (sm_90) in Gluon when many rows share each weight (large T):
+warp-specialized, for MXFP4 weights and bfloat16 activations.
+
+:func:`_moe_gemm_sm90_ws` takes the runtime arguments of ``moe._moe_gemm`` and computes the
+same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
+it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
+K permuted inside each 128-wide step. What differs is the data flow. A program computes 128
+weight rows (64 outputs of a gated GEMM) against a block of up to 128 activation rows, in three
+partitions:
+
+- A producer (4 warps) copies each K step's packed weight words and the block's activation
+  rows into a ``STAGES``-slot shared-memory ring with cp.async, signalling a per-slot mbarrier
+  as the copies land; it does nothing else, so the copies run several steps ahead.
+- Two consumers (a warpgroup each, 64 of the weight rows) read their words from the ring,
+  unpack them and multiply by wgmma against the activation slot, each freeing the slot once
+  its MMAs have retired. A consumer unpacks the second half of a step while the MMA of the
+  first half runs (T=4096 2490 -> 2390 µs), and the two run apart, so that one's MMAs overlap
+  the other's unpack (one consumer of 128 rows in lockstep: 2879).
+  Every MMA retires within its step: ptxas does not order the next step's writes of the
+  fragment registers after an MMA still in flight across the loop's back edge, which gave
+  NaNs on the H200.
+- The activations arrive by cp.async in 16-byte pieces, which cannot permute K, so both GEMM
+  inputs are kept in the dot's K order: x by :func:`dot_order` (a ``[T, padded(H)]``
+  temporary), the intermediate by GEMM1's epilogue (``DOT_ORDER_OUT``), each padded with
+  zeros to a multiple of 128 columns.
+- A block with at most a half or a quarter of its rows (often an expert's last) runs MMAs
+  of that width (T=4096: 2786 -> 2575 µs with halves, 2557 -> 2490 with quarters too).
+
+No activation quantization (the caller keeps those calls on the other kernels) and no split K.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from mxfx.backends.base import MoEWeights
+from mxfx.kernels.launch import Launcher, cdiv
+from mxfx.kernels.moe_sm90 import _epilogue, _log2, _tables, _tile_row, _unpack_a, _w_layout, _weight_rows
+
+# Ring slots. T=4096: 3 slots 2840 µs against 4 2786 (before half-width blocks), 5 2544 against
+# 4 2526 (after).
+STAGES = 4
+# Registers per thread: one program of 3 warpgroups (two consumers, the producer) per SM.
+_MAXNREG = 168
+_CONSUMER_REGS = 168
+_PRODUCER_REGS = 64
+
+
+@gluon.constexpr_function
+def _ring_words_layout(ROWS):
+    """One slot's words ``[ROWS, 16]`` as the consumer reads them: the thread that owns weight
+    rows 16w + t/4 and +8 gets the 4 contiguous words of segment t%4 (the unpack's input)."""
+    reg = [[0, 1], [0, 2], [8, 0]]
+    lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 << b, 0] for b in range(_log2(ROWS // 16))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [ROWS, 16])
+
+
+@gluon.jit
+def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
+             x_smem, w_smem, ready, empty,
+             K: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
+             MR: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
+    """Copies every K step of block ``blk`` (``MR`` rows) into the ring, each slot once the
+    consumer has freed it; rows past ``nrows`` and words past K are zero-filled, not read."""
+    NS: gl.constexpr = (K + 127) // 128
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16 bytes per copy
+    m = gl.arange(0, MR, layout=gl.SliceLayout(1, XL))
+    pairs = gl.load(sorted_ptr + blk * MR + m, mask=m < nrows, other=0)
+    kx = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
+    x_ptrs = gl.expand_dims(a_ptr + (pairs // A_ROW_DIV).to(gl.int64) * stride_am, 1) + kx
+    x_ok = gl.expand_dims(m < nrows, 1) & (kx < 128)
+    WL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WL))
+    wrow = _tile_row(r, n0, N, up_offset, GATED, GATE_STRIDE)
+    wk = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WL)), 0)
+    w_base = (w_ptr + e64 * stride_we + wrow.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32), bitcast=True)
+    w_ptrs = gl.expand_dims(w_base, 1) + wk
+    r_ok = gl.expand_dims(r >= 0, 1)
+    for i in range(NS):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(x_smem.index(s).slice(0, MR), x_ptrs + i * 128, mask=x_ok)
+        async_copy.async_copy_global_to_shared(w_smem.index(s), w_ptrs + i * 16, mask=r_ok & (i * 16 + wk < K // 8))
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
+              x_smem, w_smem, ready, empty,
+              K: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
+              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
+    # Block blk's first quarter (half) is block 4 blk (2 blk) of BLOCK_M / 4 (/ 2) rows.
+    if nrows <= BLOCK_M // 4:
+        _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, 4 * blk, nrows, e64, n0, N, up_offset,
+                 x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M // 4, ROWS, STAGES)
+    elif nrows <= BLOCK_M // 2:
+        _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, 2 * blk, nrows, e64, n0, N, up_offset,
+                 x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M // 2, ROWS, STAGES)
+    else:
+        _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
+                 x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M, ROWS, STAGES)
+
+
+@gluon.jit
+def _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk, nrows,
+             n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
+             up_offset, alpha, beta, limit,
+             K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+             GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+             ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+    """Warpgroup ``G``'s K loop over the ring (its 64 of the slot's weight rows) and the
+    epilogue of its tile of block ``blk`` (``MR`` rows)."""
+    NS: gl.constexpr = (K + 127) // 128
+    WL: gl.constexpr = _w_layout(1, 4)
+    WH: gl.constexpr = _w_layout(1, 4, 2)  # the words of half a step
+    # Tile rows 64 G + r are the rows r of the tile 32 G (gated) or 64 G columns further.
+    n0 = n0 + G * (32 if GATED else 64)
+    _, s_rows, _, sg, _ = _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
+                                       up_offset, GATED, GATE_STRIDE, 64, 1, WL)
+    # The scales [64, 1, 4] and prmt tables in the half-step unpack's layout (a relabelling).
+    S3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, WH))
+    s_rows = gl.convert_layout(s_rows, S3, assert_trivial=True)
+    sg = gl.convert_layout(sg, S3, assert_trivial=True)
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))
+    tables = _tables(_tile_row(rows, n0, N, up_offset, GATED, GATE_STRIDE))
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, MR, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    acc = gl.zeros([64, MR], gl.float32, layout=MMA)
+    # The scales (a byte per row and segment) come from global memory, one step ahead.
+    sc = gl.load(s_rows + sg, mask=sg < K // 32, other=127)
+    for i in range(NS):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        # The copies wrote the slot through the generic proxy; the wgmma reads it through the
+        # async one. (The fence waits for this thread's loads in flight: the scale prefetch
+        # comes after it.)
+        fence_async_shared()
+        sc_next = gl.load(s_rows + ((i + 1) * 4 + sg), mask=(i + 1) * 4 + sg < K // 32, other=127)
+        # Words 2h, 2h + 1 of each segment are the step's columns [64h, 64h + 64) in the dot's
+        # order: half 1 is unpacked while the MMA of half 0 runs.
+        w = gl.reshape(w_smem.index(s).slice(64 * G, 64).load(_ring_words_layout(64)), [64, 1, 4, 2, 2])
+        w0, w1 = gl.split(gl.permute(w, [0, 1, 2, 4, 3]))
+        x = x_smem.index(s).slice(0, MR)
+        a0 = _unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+        acc = warpgroup_mma(a0, x.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
+        a1 = _unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+        acc = warpgroup_mma(a1, x.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+        # Retired before the next step writes the fragments' registers: ptxas does not order
+        # those writes after an in-flight wgmma across the loop's back edge (NaNs on the H200
+        # with one MMA left in flight). The other warpgroup's MMAs overlap this one's unpack.
+        acc, a0, a1 = warpgroup_mma_wait(0, deps=[acc, a0, a1])
+        # Every warp of the warpgroup is past its wait before one thread frees the slot.
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(s))
+        sc = sc_next
+    _epilogue(acc, blk, nrows, n0, 0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+              stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+              ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT)
+
+
+@gluon.jit
+def _consumer(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk, nrows,
+              n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
+              up_offset, alpha, beta, limit,
+              K: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+              GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+              ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+    if nrows <= BLOCK_M // 4:
+        _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, 4 * blk,
+                 nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om,
+                 N, up_offset, alpha, beta, limit, K, G, BLOCK_M // 4, STAGES, GATED, GATE_STRIDE, HAS_LIMIT,
+                 HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+    elif nrows <= BLOCK_M // 2:
+        _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, 2 * blk,
+                 nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om,
+                 N, up_offset, alpha, beta, limit, K, G, BLOCK_M // 2, STAGES, GATED, GATE_STRIDE, HAS_LIMIT,
+                 HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+    else:
+        _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk,
+                 nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om,
+                 N, up_offset, alpha, beta, limit, K, G, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT,
+                 HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+
+
+@gluon.jit
+def _moe_gemm_sm90_ws(
+    a_ptr, stride_am, stride_ak,
+    w_ptr, stride_we, stride_wn, stride_wk,
+    s_ptr, stride_se, stride_sn, stride_sk,
+    bias_ptr, stride_be, stride_bn,
+    rw_ptr,
+    sorted_ptr, block_expert_ptr, block_rows_ptr,
+    out_ptr, stride_os, stride_om, stride_on,
+    N, up_offset,
+    alpha, beta, limit,
+    K: gl.constexpr,
+    A_ROW_DIV: gl.constexpr,
+    GATED: gl.constexpr,
+    GATE_STRIDE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    ROUTE_WEIGHT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    DOT_ORDER_OUT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    # x (dot-ordered, padded), the words (16-byte aligned rows) and out (along N) have unit
+    # strides, checked by the caller.
+    gl.static_assert(K % 32 == 0)
+    gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
+    BLOCK_N: gl.constexpr = 64 if GATED else 128
+    pid = gl.program_id(0)
+    num_n = gl.cdiv(N, BLOCK_N)
+    blk = pid // num_n
+    expert = gl.load(block_expert_ptr + blk)
+    if expert < 0:
+        return
+    nrows = gl.load(block_rows_ptr + blk)
+    n0 = (pid % num_n) * BLOCK_N
+    e64 = expert.to(gl.int64)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16))
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=128)  # every producer thread's copies
+        mbarrier.init(empty.index(i), count=2)  # each consumer warpgroup's MMA
+    gl.warp_specialize([
+        (_consumer, (x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk,
+                     nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
+                     stride_om, N, up_offset, alpha, beta, limit, K, 0, BLOCK_M, STAGES, GATED, GATE_STRIDE,
+                     HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
+        (_consumer, (x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk,
+                     nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
+                     stride_om, N, up_offset, alpha, beta, limit, K, 1, BLOCK_M, STAGES, GATED, GATE_STRIDE,
+                     HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
+        (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
+                     x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M, 128, STAGES)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@triton.jit
+def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr):
+    """Rows ``BLOCK_R * program_id(0) + [0, BLOCK_R)``, 128-wide step ``program_id(1)`` of
+    :func:`dot_order`."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    p = tl.arange(0, 128)
+    # Position p = 32j + 16b1 + 8b0 + 2c + e of a step holds its K offset 32c + 8j + 4b1 + 2b0 + e
+    # (moe_sm90._to_dot_order: lane c's bytes 4j + 2b1 + b0, nibble e).
+    k = tl.program_id(1) * 128 + 32 * ((p // 2) % 4) + 8 * (p // 32) + 4 * ((p // 16) % 2) + 2 * ((p // 8) % 2) + p % 2
+    r_ok = (r < M)[:, None]
+    v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=r_ok & (k < K)[None, :], other=0.0)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + (tl.program_id(1) * 128 + p)[None, :], v, mask=r_ok)
+
+
+GEMM_SM90_WS = Launcher(_moe_gemm_sm90_ws)
+_DOT_ORDER = Launcher(_dot_order_kernel)
+
+
+def padded(k: int) -> int:
+    """Columns of a dot-ordered buffer for K = ``k``: the next multiple of 128."""
+    return -(-k // 128) * 128
+
+
+def dot_order(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` (unit column stride) → ``[M, padded(K)]`` in the dot's K order of each
+    128-wide step, zeros past K: the activations :func:`_moe_gemm_sm90_ws` reads."""
+    M, K = x.shape
+    out = torch.empty(M, padded(K), dtype=x.dtype, device=x.device)
+    if M:
+        _DOT_ORDER[(cdiv(M, 16), padded(K) // 128)](x, out, M, K, x.stride(0), out.stride(0), BLOCK_R=16,
+                                                     num_warps=4)
+    return out
+
+
+def fits(weights: MoEWeights) -> bool:
+    """Whether the weights' packed rows can be copied in 16-byte pieces (aligned, unit stride
+    along K); the kernel's other conditions are :func:`mxfx.kernels.moe.hopper_fits`'."""
+    return all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in w.stride()[:-1])
+               for w in (weights.w13, weights.w2))
+
+
+def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int) -> None:
+    """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
+    them. GEMM1 (gated) stores the intermediate in dot order for GEMM2."""
+    GEMM_SM90_WS[(num_blocks * cdiv(n_out, 64 if common["GATED"] else 128),)](
+        *args, **common, BLOCK_M=block_m, STAGES=STAGES, DOT_ORDER_OUT=common["GATED"],
+        CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
