@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from mxfx.activation import GPT_OSS  # noqa: E402
 from mxfx.backends.base import ActivationQuant  # noqa: E402
-from mxfx.kernels import launch, moe  # noqa: E402
+from mxfx.kernels import activation, launch, moe  # noqa: E402
 from mxfx.kernels.replay import Replayer  # noqa: E402
 
 E, H, I, K = 8, 64, 96, 2
@@ -78,22 +78,27 @@ def _canonical(log: list, inputs: tuple, out: torch.Tensor, positions: list) -> 
     return canon
 
 
-@pytest.mark.parametrize("T,quantized,aq", [(1, True, "none"), (40, True, "none"), (5, False, "none"),
-                                            (3, True, "mxfp8")])
-def test_replay_hands_each_kernel_what_a_fresh_call_does(logged, T, quantized, aq):
-    rep = Replayer(moe._fused_moe)
-    static = (GPT_OSS, ActivationQuant(aq))
+@pytest.mark.parametrize("fused,T,quantized,aq", [
+    (True, 1, True, "none"), (True, 40, True, "none"), (True, 5, False, "none"), (True, 3, True, "mxfp8"),
+    (False, 1, True, "none"), (False, 40, True, "none"), (False, 5, False, "none"),  # A16 only
+])
+def test_replay_hands_each_kernel_what_a_fresh_call_does(logged, fused, T, quantized, aq):
+    fn = moe._fused_moe if fused else moe._unfused_moe
+    rep = Replayer(fn)
+    static = (GPT_OSS, ActivationQuant(aq)) if fused else (GPT_OSS, activation.gated_activation)
     rep(_inputs(T, 0, quantized), static)  # records
     (plan,) = rep._plans.values()
     assert not isinstance(plan, str), plan
     assert len(plan.launches) == len(logged) >= 3
+    if not fused:
+        assert "_gated_activation_kernel" in [name for name, _, _ in logged]
 
     second = _inputs(T, 1, quantized)
     logged.clear()
     out = rep(second, static)  # replays
     replayed = list(logged)
     logged.clear()
-    fresh_out = moe._fused_moe(*second, *static)
+    fresh_out = fn(*second, *static)
     positions = [[p for p, _, _ in step.patches] for step in plan.launches]
     assert out.shape == fresh_out.shape and out.dtype == fresh_out.dtype
     assert _canonical(replayed, second, out, positions) == _canonical(logged, second, fresh_out, positions)

@@ -69,7 +69,8 @@ def main() -> None:
         if args.sweep:
             variants += [("fused", ActivationQuant(), cfg) for cfg in _tiles(T * SHAPE.top_k / SHAPE.num_experts)]
         for name, aq, cfg in variants:
-            moe._FUSED._plans.clear()  # launch plans recorded under another config
+            for replayer in (moe._FUSED, moe._UNFUSED):  # launch plans recorded under another config
+                replayer._plans.clear()
             moe.pick_config = (lambda *a, c=cfg: c) if cfg is not None else base_pick
             mx.ptx_unpack = (lambda *a: False) if name == "fused-f32unpack" else base_ptx
             if name.startswith("fused"):

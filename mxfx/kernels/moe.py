@@ -522,7 +522,17 @@ def unfused_moe(
     """Grouped GEMM1 (+bias, ``[T*k, 2I]`` in x.dtype) → ``gated_activation`` → GEMM2 → k-sum.
 
     No activation quantization. Rows of unrouted slots are left unwritten and never read.
+    Replayed from a launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same
+    signature, when ``gated_activation`` only allocates and launches through
+    :class:`~mxfx.kernels.launch.Launcher` (as :func:`mxfx.kernels.activation.gated_activation`).
     """
+    w = weights
+    return _UNFUSED((x, topk_weights, topk_ids, w.w13, w.w13_scale, w.w13_bias, w.w2, w.w2_scale, w.w2_bias),
+                    (act, gated_activation))
+
+
+def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, act, gated_activation):
+    weights = MoEWeights(w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
@@ -533,3 +543,6 @@ def unfused_moe(
           cfg, block_n=2 * cfg.block_n1)
     inter = gated_activation(pre, act)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
+
+
+_UNFUSED = Replayer(_unfused_moe)

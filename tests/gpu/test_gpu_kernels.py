@@ -222,21 +222,23 @@ def test_backends_through_ops():
         assert _rel_err(out, ref) <= 5e-3
 
 
-@pytest.mark.parametrize("T,aq", [(1, "none"), (9, "none"), (200, "none"), (5, "mxfp8"), (0, "none")])
-def test_replayed_calls_match_emulation(T, aq):
-    """After the first call of a signature, fused_moe replays its launch plan with each call's
-    addresses: every later call, with new inputs, must still match emulation."""
+@pytest.mark.parametrize("fused,T,aq", [(True, 1, "none"), (True, 9, "none"), (True, 200, "none"), (True, 5, "mxfp8"),
+                                        (True, 0, "none"), (False, 1, "none"), (False, 200, "none")])
+def test_replayed_calls_match_emulation(fused, T, aq):
+    """After the first call of a signature, fused_moe and unfused_moe replay their launch plan
+    with each call's addresses: every later call, with new inputs, must still match emulation."""
     E, H, I, k = 8, 352, 224, 2
     W = _weights(E, H, I, torch.bfloat16)
-    before = set(moe._FUSED._plans)
+    fn, replayer = (moe.fused_moe, moe._FUSED) if fused else (_unfused, moe._UNFUSED)
+    before = set(replayer._plans)
     for seed in range(3):
         x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=seed)
-        out = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant(aq))
+        out = fn(x, tw, ids, W, GPT_OSS, ActivationQuant(aq))
         assert out.shape == (T, H) and out.dtype == torch.bfloat16
         if T:
             assert _rel_err(out, emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant(aq))) <= 5e-3
-    (new,) = set(moe._FUSED._plans) - before
-    assert not isinstance(moe._FUSED._plans[new], str), moe._FUSED._plans[new]
+    (new,) = set(replayer._plans) - before
+    assert not isinstance(replayer._plans[new], str), replayer._plans[new]
 
 
 def test_fast_launch_keys_on_alignment(monkeypatch):
@@ -282,7 +284,8 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
-    monkeypatch.setattr(moe._FUSED, "_plans", {})  # each first call runs the launch code
+    for replayer in (moe._FUSED, moe._UNFUSED):  # each first call runs the launch code
+        monkeypatch.setattr(replayer, "_plans", {})
     calls = _spy(monkeypatch, moe_sm90.GEMM_SM90)
     for fn in (moe.fused_moe, _unfused):
         calls.clear()
@@ -316,7 +319,8 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
-    monkeypatch.setattr(moe._FUSED, "_plans", {})
+    for replayer in (moe._FUSED, moe._UNFUSED):
+        monkeypatch.setattr(replayer, "_plans", {})
     calls = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
     assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(128, True), (128, False)]
