@@ -426,7 +426,14 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     assert gemm_meta("BLOCK_M", "DOT_ORDER_OUT") == [(128, True), (128, False)]
     # 40 rows per expert: the same 128-row blocks (the kernel narrows its MMAs to the rows).
     assert kernels(80) == ["_moe_gemm_sm90_ws"] * 2 and gemm_meta("BLOCK_M", "num_warps") == [(128, 4)] * 2
-    assert kernels(200, aq=ActivationQuant("mxfp8", "even")) == ["_moe_gemm"] * 2
+    # Activation quantization: x and the intermediate quantize-dequantized into dot order,
+    # around GEMM1, which then stores the intermediate in natural order.
+    assert kernels(200, aq=ActivationQuant("mxfp4", "round_up")) == ["_moe_gemm_sm90_ws"] * 2
+    assert gemm_meta("DOT_ORDER_OUT") == [(False,), (False,)]
+    assert [(name, meta.get("FMT"), meta.get("ROUNDING")) for name, meta in launched if name != "_count_kernel"
+            and name != "_place_kernel"] == [("_dot_order_kernel", mx.FMT_MXFP4, 1), ("_moe_gemm_sm90_ws", None, None),
+                                             ("_dot_order_kernel", mx.FMT_MXFP4, 1), ("_moe_gemm_sm90_ws", None, None),
+                                             ("_sum_slots", None, None)]
     # Rows 4 but not 16 bytes apart: words, but no 16-byte copies.
     shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
     assert kernels(200, w13=shifted) == ["_moe_gemm"] * 2
@@ -442,20 +449,30 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     assert kernels(3) == ["_moe_gemm"] * 2
 
 
-@pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 200), (5, 256)])
-def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K):
+@pytest.mark.parametrize("fmt, rounding, dtype", [("none", "even", torch.float32), ("mxfp8", "even", torch.float32),
+                                                   ("mxfp4", "round_up", torch.float16), ("mxfp4", "floor", torch.float32)])
+@pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 224), (5, 256)])
+def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, rounding, dtype):
     """moe_sm90_ws.dot_order: natural K offset 128i + 32c + 8j + 4b1 + 2b0 + e (lane c's byte
     4j + 2b1 + b0, nibble e) lands at 128i + 32j + 16b1 + 8b0 + 2c + e, the order in which the
     Hopper kernels' unpack lays the weights into A fragments; the padding up to a multiple of
-    128 columns is zero, and rows keep their strides."""
+    128 columns is zero, and rows keep their strides. Under activation quantization each
+    natural 32-block is quantize-dequantized first, bit-exact against mxfx.formats (a block
+    holding an Inf included)."""
     from mxfx.kernels import moe_sm90_ws
 
-    x = torch.randn(M, K + 3)[:, :K]
-    out = moe_sm90_ws.dot_order(x)
+    x = (torch.randn(M, K + 3) * 4)[:, :K].to(dtype)
+    if M > 1:
+        x[1, 40] = float("inf")
+    out = moe_sm90_ws.dot_order(x, ActivationQuant(fmt, rounding))
+    if fmt != "none":
+        x = formats.quantize_dequantize(x, fmt, rounding)
+        assert x.isnan().any() == (M > 1)
     KP = -(-K // 128) * 128
     k = torch.arange(K)
     r = k % 128
     pos = k - r + 32 * ((r // 8) % 4) + 16 * ((r // 4) % 2) + 8 * ((r // 2) % 2) + 2 * (r // 32) + r % 2
-    ref = torch.zeros(M, KP)
+    ref = torch.zeros(M, KP, dtype=dtype)
     ref[:, pos] = x
-    assert out.shape == (M, KP) and torch.equal(out, ref)
+    assert out.shape == (M, KP) and torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())

@@ -317,9 +317,9 @@ def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
     where up to 4 rows per expert take 8-row blocks and mma.sync (no shared memory, no
     barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks); once it is matrix-bound,
     large blocks with one MMA per K step, on Hopper in the warp-specialized kernel where the
-    call allows it (``warp_specialized``: bf16 without activation quantization; T=1024 1358
-    -> 1215 µs, T=4096 ~2950 -> 2390; at T=512, 16 rows per expert, it is slower: 1163 against
-    969)."""
+    call allows it (``warp_specialized``: bf16, weight rows 16 bytes apart; T=1024 1358
+    -> 1180 µs, T=4096 ~2950 -> 2360; at T=512, 16 rows per expert, it is slower: 1043-1098
+    against 941)."""
     rows = num_pairs / num_experts
     if hopper and warp_specialized and rows >= 32:
         return GemmConfig(128, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
@@ -359,7 +359,9 @@ def _gemm(
     a_mx: Optional[tuple[str, torch.Tensor]] = None,
 ) -> None:
     """One grouped GEMM launch. ``a_mx``: ``a`` holds MX elements (:func:`mx.quantize`) in
-    this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only)."""
+    this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only). The
+    warp-specialized GEMM1 stores the intermediate in dot order, padded, for GEMM2; under ``aq``
+    in natural order, for the caller to quantize-dequantize into dot order."""
     quantized = w_scale is not None
     s = w_scale if quantized else w  # unused pointer when float
     b = bias if bias is not None else w
@@ -390,7 +392,7 @@ def _gemm(
         ROUTE_WEIGHT=route_weights is not None,
     )
     if cfg.ws:
-        moe_sm90_ws.launch(args, common, num_blocks, n_out, cfg.block_m)
+        moe_sm90_ws.launch(args, common, num_blocks, n_out, cfg.block_m, dot_order_out=gated and aq.fmt == "none")
         return
     if cfg.sm90 and quantized:
         block_n = 32 if gated else 64
@@ -468,7 +470,8 @@ def fused_moe(
     Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[S, T*k, H]`` float32 (S =
     ``split_k2`` of :func:`pick_config`), and under activation quantization the
     quantize-dequantized ``x``; in the warp-specialized kernel ``x`` dot-ordered and both it
-    and the intermediate padded to a multiple of 128 columns. Replayed from a launch plan
+    and the intermediate padded to a multiple of 128 columns (under activation quantization
+    the intermediate twice: as GEMM1 stores it, and dot-ordered). Replayed from a launch plan
     (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
     """
     w = weights
@@ -483,13 +486,19 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     native = aq.fmt != "none" and weights.quantized and mx.native_scaled_mma(x.device)
     hopper = hopper_fits(x, weights) and not native
-    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and aq.fmt == "none" and moe_sm90_ws.fits(weights))
+    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights))
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
     if cfg.ws:
-        # Both GEMM inputs in the dot's K order: x here, the intermediate as GEMM1 stores it.
-        inter = torch.empty(T * k, moe_sm90_ws.padded(inter_size), dtype=x.dtype, device=x.device)
-        _gemm(moe_sm90_ws.dot_order(x), k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0,
-              inter_size, H, cfg, block_n=cfg.block_n1, act=act)
+        # Both GEMM inputs in the dot's K order (quantize-dequantized on the way under
+        # activation quantization): x here, the intermediate as GEMM1 stores it or, under
+        # activation quantization, here after GEMM1.
+        quantized = aq.fmt != "none"
+        inter = torch.empty(T * k, inter_size if quantized else moe_sm90_ws.padded(inter_size), dtype=x.dtype,
+                            device=x.device)
+        _gemm(moe_sm90_ws.dot_order(x, aq), k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0,
+              inter_size, H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
+        if quantized:
+            inter = moe_sm90_ws.dot_order(inter, aq)
         return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
     inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
     if native:

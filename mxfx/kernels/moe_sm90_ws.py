@@ -4,8 +4,12 @@ warp-specialized, for MXFP4 weights and bfloat16 activations.
 :func:`_moe_gemm_sm90_ws` takes the runtime arguments of ``moe._moe_gemm`` and computes the
 same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
-K permuted inside each 128-wide step. What differs is the data flow. A program computes 128
-weight rows (64 outputs of a gated GEMM) against a block of up to 128 activation rows, in three
+K permuted inside each 128-wide step. What differs is the data flow. A tile is 128 weight rows
+(64 outputs of a gated GEMM) against a block of up to 128 activation rows. The kernel is
+persistent: one program per SM takes tiles ``pid, pid + grid, ...`` and its ring runs on from
+tile to tile, so the producer copies the next tile's first steps while the consumers finish
+the last ones and run the epilogue (one program per tile, with the ring filled afresh each
+time: T=1024 1216 -> 1180 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). Three
 partitions:
 
 - A producer (4 warps) copies each K step's packed weight words and the block's activation
@@ -26,9 +30,13 @@ partitions:
 - A block with at most a half or a quarter of its rows (often an expert's last) runs MMAs
   of that width (T=4096: 2786 -> 2575 µs with halves, 2557 -> 2490 with quarters too).
 
-No activation quantization (the caller keeps those calls on the other kernels) and no split K.
+No split K, and no activation quantization inside: under it the caller quantize-dequantizes
+each GEMM's input while putting it in dot order (:func:`dot_order`), so GEMM1 then stores the
+intermediate in natural order.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -39,7 +47,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from mxfx.backends.base import MoEWeights
+from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.kernels import mx
 from mxfx.kernels.launch import Launcher, cdiv
 from mxfx.kernels.moe_sm90 import _epilogue, _log2, _tables, _tile_row, _unpack_a, _w_layout, _weight_rows
 
@@ -63,12 +72,22 @@ def _ring_words_layout(ROWS):
 
 
 @gluon.jit
+def _tile(t, N, block_expert_ptr, block_rows_ptr, BLOCK_N: gl.constexpr):
+    """Tile ``t``'s block, the block's expert (< 0: a padding block, nothing to do) and rows,
+    and the tile's first output column."""
+    num_n = gl.cdiv(N, BLOCK_N)
+    blk = t // num_n
+    return blk, gl.load(block_expert_ptr + blk), gl.load(block_rows_ptr + blk), (t % num_n) * BLOCK_N
+
+
+@gluon.jit
 def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
-             x_smem, w_smem, ready, empty,
+             x_smem, w_smem, ready, empty, g,
              K: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
              MR: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
     """Copies every K step of block ``blk`` (``MR`` rows) into the ring, each slot once the
-    consumer has freed it; rows past ``nrows`` and words past K are zero-filled, not read."""
+    consumer has freed it; rows past ``nrows`` and words past K are zero-filled, not read. ``g``:
+    the steps this program has copied before (the ring runs on across its tiles)."""
     NS: gl.constexpr = (K + 127) // 128
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16 bytes per copy
     m = gl.arange(0, MR, layout=gl.SliceLayout(1, XL))
@@ -84,39 +103,49 @@ def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nro
     w_ptrs = gl.expand_dims(w_base, 1) + wk
     r_ok = gl.expand_dims(r >= 0, 1)
     for i in range(NS):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        s = (g + i) % STAGES
+        mbarrier.wait(empty.index(s), (((g + i) // STAGES) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(x_smem.index(s).slice(0, MR), x_ptrs + i * 128, mask=x_ok)
         async_copy.async_copy_global_to_shared(w_smem.index(s), w_ptrs + i * 16, mask=r_ok & (i * 16 + wk < K // 8))
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
 
 @gluon.jit
-def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
-              x_smem, w_smem, ready, empty,
+def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
+              num_tiles, N, up_offset, x_smem, w_smem, ready, empty,
               K: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
-    # Block blk's first quarter (half) is block 4 blk (2 blk) of BLOCK_M / 4 (/ 2) rows.
-    if nrows <= BLOCK_M // 4:
-        _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, 4 * blk, nrows, e64, n0, N, up_offset,
-                 x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M // 4, ROWS, STAGES)
-    elif nrows <= BLOCK_M // 2:
-        _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, 2 * blk, nrows, e64, n0, N, up_offset,
-                 x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M // 2, ROWS, STAGES)
-    else:
-        _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
-                 x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M, ROWS, STAGES)
+    NS: gl.constexpr = (K + 127) // 128
+    g = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, ROWS // 2 if GATED else ROWS)
+        if expert >= 0:
+            e64 = expert.to(gl.int64)
+            # Block blk's first quarter (half) is block 4 blk (2 blk) of BLOCK_M / 4 (/ 2) rows.
+            if nrows <= BLOCK_M // 4:
+                _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, 4 * blk, nrows, e64, n0, N,
+                         up_offset, x_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M // 4,
+                         ROWS, STAGES)
+            elif nrows <= BLOCK_M // 2:
+                _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, 2 * blk, nrows, e64, n0, N,
+                         up_offset, x_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M // 2,
+                         ROWS, STAGES)
+            else:
+                _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N,
+                         up_offset, x_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M,
+                         ROWS, STAGES)
+            g += NS
 
 
 @gluon.jit
-def _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk, nrows,
-             n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
+def _consume(x_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk,
+             nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
              up_offset, alpha, beta, limit,
              K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
              GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
              ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
     """Warpgroup ``G``'s K loop over the ring (its 64 of the slot's weight rows) and the
-    epilogue of its tile of block ``blk`` (``MR`` rows)."""
+    epilogue of its tile of block ``blk`` (``MR`` rows); ``g`` as in :func:`_produce`."""
     NS: gl.constexpr = (K + 127) // 128
     WL: gl.constexpr = _w_layout(1, 4)
     WH: gl.constexpr = _w_layout(1, 4, 2)  # the words of half a step
@@ -136,8 +165,8 @@ def _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, s
     # The scales (a byte per row and segment) come from global memory, one step ahead.
     sc = gl.load(s_rows + sg, mask=sg < K // 32, other=127)
     for i in range(NS):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        s = (g + i) % STAGES
+        mbarrier.wait(ready.index(s), ((g + i) // STAGES) & 1)
         # The copies wrote the slot through the generic proxy; the wgmma reads it through the
         # async one. (The fence waits for this thread's loads in flight: the scale prefetch
         # comes after it.)
@@ -166,27 +195,34 @@ def _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, s
 
 
 @gluon.jit
-def _consumer(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk, nrows,
-              n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
-              up_offset, alpha, beta, limit,
+def _consumer(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+              block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
               K: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
               GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
               ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
-    if nrows <= BLOCK_M // 4:
-        _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, 4 * blk,
-                 nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om,
-                 N, up_offset, alpha, beta, limit, K, G, BLOCK_M // 4, STAGES, GATED, GATE_STRIDE, HAS_LIMIT,
-                 HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
-    elif nrows <= BLOCK_M // 2:
-        _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, 2 * blk,
-                 nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om,
-                 N, up_offset, alpha, beta, limit, K, G, BLOCK_M // 2, STAGES, GATED, GATE_STRIDE, HAS_LIMIT,
-                 HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
-    else:
-        _consume(x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk,
-                 nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om,
-                 N, up_offset, alpha, beta, limit, K, G, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT,
-                 HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+    NS: gl.constexpr = (K + 127) // 128
+    g = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, 64 if GATED else 128)
+        if expert >= 0:
+            e64 = expert.to(gl.int64)
+            if nrows <= BLOCK_M // 4:
+                _consume(x_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                         4 * blk, nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, BLOCK_M // 4, STAGES, GATED,
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+            elif nrows <= BLOCK_M // 2:
+                _consume(x_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                         2 * blk, nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, BLOCK_M // 2, STAGES, GATED,
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+            else:
+                _consume(x_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                         blk, nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, BLOCK_M, STAGES, GATED,
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+            g += NS
 
 
 @gluon.jit
@@ -200,6 +236,7 @@ def _moe_gemm_sm90_ws(
     out_ptr, stride_os, stride_om, stride_on,
     N, up_offset,
     alpha, beta, limit,
+    num_tiles,
     K: gl.constexpr,
     A_ROW_DIV: gl.constexpr,
     GATED: gl.constexpr,
@@ -217,16 +254,6 @@ def _moe_gemm_sm90_ws(
     # strides, checked by the caller.
     gl.static_assert(K % 32 == 0)
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
-    BLOCK_N: gl.constexpr = 64 if GATED else 128
-    pid = gl.program_id(0)
-    num_n = gl.cdiv(N, BLOCK_N)
-    blk = pid // num_n
-    expert = gl.load(block_expert_ptr + blk)
-    if expert < 0:
-        return
-    nrows = gl.load(block_rows_ptr + blk)
-    n0 = (pid % num_n) * BLOCK_N
-    e64 = expert.to(gl.int64)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16))
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -236,30 +263,35 @@ def _moe_gemm_sm90_ws(
         mbarrier.init(ready.index(i), count=128)  # every producer thread's copies
         mbarrier.init(empty.index(i), count=2)  # each consumer warpgroup's MMA
     gl.warp_specialize([
-        (_consumer, (x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk,
-                     nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
-                     stride_om, N, up_offset, alpha, beta, limit, K, 0, BLOCK_M, STAGES, GATED, GATE_STRIDE,
-                     HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
-        (_consumer, (x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, blk,
-                     nrows, n0, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
-                     stride_om, N, up_offset, alpha, beta, limit, K, 1, BLOCK_M, STAGES, GATED, GATE_STRIDE,
-                     HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
-        (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, blk, nrows, e64, n0, N, up_offset,
-                     x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE, BLOCK_M, 128, STAGES)),
+        (_consumer, (x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                     block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                     out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, 0, BLOCK_M, STAGES, GATED,
+                     GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
+        (_consumer, (x_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                     block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                     out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, 1, BLOCK_M, STAGES, GATED,
+                     GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
+        (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                     num_tiles, N, up_offset, x_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE,
+                     BLOCK_M, 128, STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @triton.jit
-def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr):
+def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
+                      ROUNDING: tl.constexpr):
     """Rows ``BLOCK_R * program_id(0) + [0, BLOCK_R)``, 128-wide step ``program_id(1)`` of
     :func:`dot_order`."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    p = tl.arange(0, 128)
-    # Position p = 32j + 16b1 + 8b0 + 2c + e of a step holds its K offset 32c + 8j + 4b1 + 2b0 + e
-    # (moe_sm90._to_dot_order: lane c's bytes 4j + 2b1 + b0, nibble e).
-    k = tl.program_id(1) * 128 + 32 * ((p // 2) % 4) + 8 * (p // 32) + 4 * ((p // 16) % 2) + 2 * ((p // 8) % 2) + p % 2
+    k = tl.arange(0, 128)
     r_ok = (r < M)[:, None]
-    v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=r_ok & (k < K)[None, :], other=0.0)
+    v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + (tl.program_id(1) * 128 + k)[None, :],
+                mask=r_ok & (tl.program_id(1) * 128 + k < K)[None, :], other=0.0)
+    if FMT != 0:  # the 32-blocks are contiguous in natural order, not in the dot's
+        v = mx.qdq(v, FMT, ROUNDING, BLOCK_R, 128)
+    # K offset 32c + 8j + 4b1 + 2b0 + e of a step goes to 32j + 16b1 + 8b0 + 2c + e
+    # (moe_sm90._dot_position: lane c's bytes 4j + 2b1 + b0, nibble e).
+    p = 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + (tl.program_id(1) * 128 + p)[None, :], v, mask=r_ok)
 
 
@@ -272,14 +304,17 @@ def padded(k: int) -> int:
     return -(-k // 128) * 128
 
 
-def dot_order(x: torch.Tensor) -> torch.Tensor:
+def dot_order(x: torch.Tensor, aq: ActivationQuant = ActivationQuant()) -> torch.Tensor:
     """``x [M, K]`` (unit column stride) → ``[M, padded(K)]`` in the dot's K order of each
-    128-wide step, zeros past K: the activations :func:`_moe_gemm_sm90_ws` reads."""
+    128-wide step, zeros past K: the activations :func:`_moe_gemm_sm90_ws` reads. Under
+    activation quantization (``aq``; K a multiple of 32) each 32-block is quantize-dequantized
+    on the way, as :func:`mxfx.kernels.mx.quantize_dequantize` does it."""
     M, K = x.shape
     out = torch.empty(M, padded(K), dtype=x.dtype, device=x.device)
     if M:
         _DOT_ORDER[(cdiv(M, 16), padded(K) // 128)](x, out, M, K, x.stride(0), out.stride(0), BLOCK_R=16,
-                                                     num_warps=4)
+                                                     FMT=mx.FMT_CODES[aq.fmt],
+                                                     ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding], num_warps=4)
     return out
 
 
@@ -290,9 +325,18 @@ def fits(weights: MoEWeights) -> bool:
                for w in (weights.w13, weights.w2))
 
 
-def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int) -> None:
+def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int, dot_order_out: bool) -> None:
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
-    them. GEMM1 (gated) stores the intermediate in dot order for GEMM2."""
-    GEMM_SM90_WS[(num_blocks * cdiv(n_out, 64 if common["GATED"] else 128),)](
-        *args, **common, BLOCK_M=block_m, STAGES=STAGES, DOT_ORDER_OUT=common["GATED"],
+    them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
+    GEMM2 reads it as it is)."""
+    num_tiles = num_blocks * cdiv(n_out, 64 if common["GATED"] else 128)
+    GEMM_SM90_WS[(min(num_tiles, _num_sms(args[0].device)),)](
+        *args, num_tiles, **common, BLOCK_M=block_m, STAGES=STAGES, DOT_ORDER_OUT=dot_order_out,
         CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """The persistent grid: one program per SM (elsewhere, where launches are only recorded
+    or compiled, one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
