@@ -78,6 +78,39 @@ def _canonical(log: list, inputs: tuple, out: torch.Tensor, positions: list) -> 
     return canon
 
 
+def _temps_renamed(replayed: list, fresh: list) -> list:
+    """``replayed`` (canonical) with each temporary renamed to the fresh call's temporary at
+    the same place. A replayed address may stand for several fresh temporaries (the workspace
+    reuses bytes), but only for ones no launch uses together, and each fresh temporary must
+    always be handed the same replayed address."""
+    names: dict = {}
+    spans: dict = {}
+    renamed = []
+    for i, ((name, grid, call), (_, _, fresh_call)) in enumerate(zip(replayed, fresh)):
+        call = list(call)
+        for p, (a, f) in enumerate(zip(call, fresh_call)):
+            if isinstance(a, tuple) and a[0] == "temp" and isinstance(f, tuple) and f[0] == "temp":
+                assert names.setdefault(f, a) == a, (f, a)
+                spans.setdefault(f, [i, i])[1] = i
+                call[p] = f
+        renamed.append((name, grid, call))
+    for f, g in ((f, g) for f in names for g in names if f < g and names[f] == names[g]):
+        assert spans[f][1] < spans[g][0] or spans[g][1] < spans[f][0], (f, g, spans)
+    return renamed
+
+
+def _check_workspace(plan) -> None:
+    """Temporaries used by a common launch get disjoint bytes, and the workspace is the most
+    that any one launch has live (each region rounded up to the 256-byte alignment)."""
+    regions = plan.regions
+    for a, b in ((a, b) for a in regions for b in regions if a is not b):
+        if a.first <= b.last and b.first <= a.last:
+            assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset, (a, b)
+    live = [sum(-(-r.nbytes // 256) * 256 for r in regions if r.first <= i <= r.last)
+            for i in range(len(plan.launches))]
+    assert plan.workspace <= max(live, default=0)
+
+
 @pytest.mark.parametrize("fused,T,quantized,aq", [
     (True, 1, True, "none"), (True, 40, True, "none"), (True, 5, False, "none"), (True, 3, True, "mxfp8"),
     (False, 1, True, "none"), (False, 40, True, "none"), (False, 5, False, "none"),  # A16 only
@@ -101,9 +134,37 @@ def test_replay_hands_each_kernel_what_a_fresh_call_does(logged, fused, T, quant
     fresh_out = fn(*second, *static)
     positions = [[p for p, _, _ in step.patches] for step in plan.launches]
     assert out.shape == fresh_out.shape and out.dtype == fresh_out.dtype
-    assert _canonical(replayed, second, out, positions) == _canonical(logged, second, fresh_out, positions)
+    fresh = _canonical(logged, second, fresh_out, positions)
+    assert _temps_renamed(_canonical(replayed, second, out, positions), fresh) == fresh
     # every address the replay hands over is an input, the output or inside its workspace
     assert all(pos for pos in positions)
+    _check_workspace(plan)
+
+
+@pytest.mark.parametrize("aq", ["none", "mxfp4"])
+def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkeypatch, aq):
+    """The warp-specialized path (Hopper patched in) allocates x dot-ordered, the intermediate
+    (twice under activation quantization) and GEMM2's float32 per-slot results; the replay's
+    workspace holds only what is live at once: less than their sum, and what GEMM2 and the
+    k-sum need (the intermediate and the per-slot results) is a lower bound."""
+    from mxfx.kernels import moe_sm90
+
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    T = 200  # 50 rows per expert
+    rep = Replayer(moe._fused_moe)
+    inputs = _inputs(T, 0)
+    rep(inputs, (GPT_OSS, ActivationQuant(aq)))
+    (plan,) = rep._plans.values()
+    assert not isinstance(plan, str), plan
+    names = [step.direct.name for step in plan.launches]
+    assert names.count("_moe_gemm_sm90_ws") == 2 and names.count("_dot_order_kernel") == (2 if aq != "none" else 1)
+    _check_workspace(plan)
+    rows = T * K
+    inter, per_slot = rows * 128 * 2, rows * H * 4  # I = 96 padded to 128 columns, bf16; float32
+    assert inter + per_slot <= plan.workspace < sum(r.nbytes for r in plan.regions)
+    # x dot-ordered, the intermediate (natural and dot-ordered under A4), the per-slot results
+    # and the routing's counts, sorted pairs and per-block expert and rows
+    assert len(plan.regions) == (4 if aq != "none" else 3) + 4
 
 
 def test_replay_keys_on_shape_and_alignment(logged):

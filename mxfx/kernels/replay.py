@@ -9,7 +9,9 @@ launches through :class:`mxfx.kernels.launch.Launcher`. If that is all it does (
 aten op, a copy, a fill or a read back to the host, leaves the signature unplanned: later
 calls run the function), later calls allocate the same temporaries in one workspace and the
 output, then call the same compiled kernels with the new addresses patched into the
-recorded argument lists.
+recorded argument lists. Temporaries whose launches do not overlap share workspace bytes
+(the launches run in stream order), so the workspace is the most that is live at once, not
+the sum of everything the function allocated.
 
 Only where :class:`~mxfx.kernels.launch.Launcher` launches directly (CUDA, no launch hooks,
 ``MXFX_FAST_LAUNCH`` not 0); elsewhere the function always runs.
@@ -59,9 +61,18 @@ class _Launch(NamedTuple):
     patches: tuple[tuple[int, int, int], ...]  # (position, base, byte offset from it)
 
 
+class _Region(NamedTuple):
+    """A temporary in the workspace: its bytes, the first and last launch that use it, where."""
+    nbytes: int
+    first: int
+    last: int
+    offset: int
+
+
 class _Plan(NamedTuple):
     device: torch.device
     workspace: int  # bytes
+    regions: tuple[_Region, ...]
     out: tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # size, stride, dtype
     launches: tuple[_Launch, ...]
 
@@ -75,38 +86,54 @@ def _plan(inputs: tuple, out: torch.Tensor, watch: _Watch, launches: list) -> _P
     out_ptr = out.data_ptr()
     if out.storage_offset() or not any(a.data_ptr() == out_ptr for a in watch.allocations):
         return "its output is not a tensor it allocated"
-    regions: dict[int, tuple[int, int]] = {}  # temporary's address -> (its bytes, workspace offset)
-    size = 0
-    for a in watch.allocations:
-        if a.data_ptr() in (0, out_ptr):
-            continue
-        nbytes = a.untyped_storage().nbytes()
-        regions[a.data_ptr()] = (nbytes, size)
-        size += -(-nbytes // _ALIGN) * _ALIGN
+    sizes = {a.data_ptr(): a.untyped_storage().nbytes() for a in watch.allocations
+             if a.data_ptr() not in (0, out_ptr)}
+    spans: dict[int, list[int]] = {}  # temporary's address -> [first, last] launch using it
     addresses = [None if t is None else t.data_ptr() for t in inputs]
     ws, out_base = len(inputs), len(inputs) + 1
-    plan = []
-    for direct, grid, args, call in launches:
-        patches = []
+    steps = []
+    for i, (direct, grid, args, call) in enumerate(launches):
+        patches = []  # (position, base, temporary's address or None, byte offset)
         for pos, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
             ptr = a.data_ptr()
-            found = [i for i, p in enumerate(addresses) if p == ptr]
+            found = [j for j, p in enumerate(addresses) if p == ptr]
             if len(found) == 1:
-                patches.append((pos, found[0], 0))
+                patches.append((pos, found[0], None, 0))
             elif not found and ptr == out_ptr:
-                patches.append((pos, out_base, 0))
+                patches.append((pos, out_base, None, 0))
             elif not found:
-                hit = [(start, off) for start, (n, off) in regions.items() if start <= ptr < start + n]
+                hit = [start for start, n in sizes.items() if start <= ptr < start + n]
                 if not hit:
                     return f"argument {pos} of {direct.name} is not an input, a temporary or the output"
-                start, off = hit[0]
-                patches.append((pos, ws, off + ptr - start))
+                spans.setdefault(hit[0], [i, i])[1] = i
+                patches.append((pos, ws, hit[0], ptr - hit[0]))
             else:
                 return f"argument {pos} of {direct.name} is the address of several inputs"
-        plan.append(_Launch(direct, grid, call, tuple(patches)))
-    return _Plan(out.device, size, (tuple(out.shape), out.stride(), out.dtype), tuple(plan))
+        steps.append((direct, grid, call, patches))
+    regions = _pack({start: (sizes[start], first, last) for start, (first, last) in spans.items()})
+    plan = tuple(_Launch(direct, grid, call, tuple((pos, base, offset + (0 if t is None else regions[t].offset))
+                                                    for pos, base, t, offset in patches))
+                 for direct, grid, call, patches in steps)
+    size = max((r.offset + r.nbytes for r in regions.values()), default=0)
+    return _Plan(out.device, size, tuple(regions.values()), (tuple(out.shape), out.stride(), out.dtype), plan)
+
+
+def _pack(spans: dict[int, tuple[int, int, int]]) -> dict[int, _Region]:
+    """Workspace regions for temporaries (key -> bytes, first and last launch using it): the
+    largest first, each at the lowest aligned offset clear of every region already placed
+    whose launches overlap its own."""
+    regions: dict[int, _Region] = {}
+    for key, (nbytes, first, last) in sorted(spans.items(), key=lambda kv: (-kv[1][0], kv[1][1])):
+        offset = 0
+        for r in sorted(regions.values(), key=lambda r: r.offset):
+            if r.first <= last and first <= r.last and r.offset + r.nbytes > offset:
+                if offset + nbytes <= r.offset:
+                    break
+                offset = -(-(r.offset + r.nbytes) // _ALIGN) * _ALIGN
+        regions[key] = _Region(nbytes, first, last, offset)
+    return regions
 
 
 class Replayer:
