@@ -492,12 +492,12 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
         # Both GEMM inputs in the dot's K order (quantize-dequantized on the way under
         # activation quantization): x here, the intermediate as GEMM1 stores it or, under
         # activation quantization, here after GEMM1.
-        quantized = aq.fmt != "none"
-        inter = torch.empty(T * k, inter_size if quantized else moe_sm90_ws.padded(inter_size), dtype=x.dtype,
+        act_quant = aq.fmt != "none"
+        inter = torch.empty(T * k, inter_size if act_quant else moe_sm90_ws.padded(inter_size), dtype=x.dtype,
                             device=x.device)
         _gemm(moe_sm90_ws.dot_order(x, aq), k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0,
               inter_size, H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
-        if quantized:
+        if act_quant:
             inter = moe_sm90_ws.dot_order(inter, aq)
         return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
     inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
