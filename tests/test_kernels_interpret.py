@@ -390,9 +390,9 @@ def test_launch_code_feeds_mx_activations_to_the_scaled_mma_where_native(monkeyp
 
 def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     """The launch code sends bf16 MXFP4 GEMMs with word-readable weights on sm_90 to the Hopper
-    kernel at small T and, without activation quantization and with 16-byte aligned weight
-    rows, to the warp-specialized one at large T (x dot-ordered first); everything else to the
-    portable kernel (launches recorded)."""
+    kernel at small T and, with 16-byte aligned weight rows, to the warp-specialized one at
+    large T (x dot-ordered first, quantize-dequantized on the way under activation
+    quantization); everything else to the portable kernel (launches recorded)."""
     import dataclasses
 
     from mxfx.kernels import launch, moe_sm90
