@@ -396,6 +396,7 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     import dataclasses
 
     from mxfx.kernels import launch, moe_sm90
+    from mxfx.kernels.activation import gated_activation
 
     launched = []
     monkeypatch.setattr(launch.Launcher, "_launch", lambda self, grid, a, meta: launched.append((self._kernel.__name__, meta)))
@@ -434,6 +435,17 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
             and name != "_place_kernel"] == [("_dot_order_kernel", mx.FMT_MXFP4, 1), ("_moe_gemm_sm90_ws", None, None),
                                              ("_dot_order_kernel", mx.FMT_MXFP4, 1), ("_moe_gemm_sm90_ws", None, None),
                                              ("_sum_slots", None, None)]
+    # The unfused backend too: GEMM1 stores [T*k, 2I] in natural order for the activation
+    # kernel, whose output is dot-ordered for GEMM2.
+    W = _weights(E, H, I, torch.bfloat16, True, True, 0, "cpu")
+    W = dataclasses.replace(W, **{f.name: getattr(W, f.name).contiguous() for f in dataclasses.fields(W)})
+    ids, tw = _routing_case(200, E, k, 1)
+    launched.clear()
+    unfused_moe(torch.zeros(200, H, dtype=torch.bfloat16), tw.to(torch.bfloat16), ids, W, GPT_OSS, gated_activation)
+    assert [name for name, _ in launched if name not in ("_count_kernel", "_place_kernel")] == [
+        "_dot_order_kernel", "_moe_gemm_sm90_ws", "_gated_activation_kernel", "_dot_order_kernel",
+        "_moe_gemm_sm90_ws", "_sum_slots"]
+    assert gemm_meta("GATED", "DOT_ORDER_OUT") == [(False, False), (False, False)]
     # Rows 4 but not 16 bytes apart: words, but no 16-byte copies.
     shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
     assert kernels(200, w13=shifted) == ["_moe_gemm"] * 2

@@ -530,7 +530,10 @@ def unfused_moe(
 ) -> torch.Tensor:
     """Grouped GEMM1 (+bias, ``[T*k, 2I]`` in x.dtype) → ``gated_activation`` → GEMM2 → k-sum.
 
-    No activation quantization. Rows of unrouted slots are left unwritten and never read.
+    No activation quantization. Rows of unrouted slots are left unwritten, and nothing computed
+    from them reaches the output. In
+    the warp-specialized kernel x and the activation's output are also copied in the dot's K
+    order (:func:`mxfx.kernels.moe_sm90_ws.dot_order`).
     Replayed from a launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same
     signature, when ``gated_activation`` only allocates and launches through
     :class:`~mxfx.kernels.launch.Launcher` (as :func:`mxfx.kernels.activation.gated_activation`).
@@ -545,12 +548,16 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
-    cfg = pick_config(T * k, weights.num_experts, hopper_fits(x, weights))
+    hopper = hopper_fits(x, weights)
+    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights))
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
-    _gemm(x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, pre, 0, 2 * inter_size, H,
-          cfg, block_n=2 * cfg.block_n1)
+    # The warp-specialized kernel reads both GEMM inputs in the dot's K order.
+    _gemm(moe_sm90_ws.dot_order(x) if cfg.ws else x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing,
+          pre, 0, 2 * inter_size, H, cfg, block_n=2 * cfg.block_n1)
     inter = gated_activation(pre, act)
+    if cfg.ws:
+        inter = moe_sm90_ws.dot_order(inter)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
 
 

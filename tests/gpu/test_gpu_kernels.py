@@ -312,9 +312,9 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
 def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act):
     """On Hopper, bf16 MXFP4 at 32 rows per expert and more runs :mod:`mxfx.kernels.moe_sm90_ws`
     for both GEMMs of the fused backend, on dot-ordered inputs (quantize-dequantized on the way
-    under A8), and matches emulation with NaN-poisoned padding around every input. The unfused
-    backend, weights not readable as words and rows not 16 bytes apart take the other
-    kernels."""
+    under A8), as does the unfused backend, and matches emulation with NaN-poisoned padding
+    around every input. Weights not readable as words and rows not 16 bytes apart take the
+    other kernels."""
     from mxfx.kernels import moe_sm90, moe_sm90_ws
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -328,7 +328,10 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4,
            aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
     assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(128, False), (128, False)]
-    for fn, kw in ((_unfused, {}), (moe.fused_moe, {"pad": 5}), (moe.fused_moe, {"pad": 4})):
+    calls.clear()
+    _check(_unfused, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
+    assert [(m["GATED"], m["DOT_ORDER_OUT"]) for m in calls] == [(False, False), (False, False)]
+    for fn, kw in ((moe.fused_moe, {"pad": 5}), (moe.fused_moe, {"pad": 4})):
         calls.clear()
         _check(fn, T, E, H, I, k, torch.bfloat16, act, **kw)
         assert not calls
