@@ -322,7 +322,7 @@ def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
     against 941)."""
     rows = num_pairs / num_experts
     if hopper and warp_specialized and rows >= 32:
-        return GemmConfig(128, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
+        return GemmConfig(moe_sm90_ws.BLOCK_M, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is smaller than two
         # programs per SM, so its K range is split in two (T=1: 45.3 -> 42.7 µs).

@@ -302,11 +302,12 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
 @pytest.mark.parametrize(
     "T,E,H,I,k,act",
     [
-        (300, 8, 2880, 2880, 4, GPT_OSS),  # ~150 rows per expert: full blocks and quarter-width tails
+        (300, 8, 2880, 2880, 4, GPT_OSS),  # ~150 rows per expert: 128- and 32-wide MMAs
         (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0)),  # halves layout, K tail 96
         (70, 2, 224, 96, 2, SILU_AND_MUL),  # no limit; K = 224, 96: one step and less
-        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0)),  # E = 1, a half-width block
+        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0)),  # E = 1, a 64-wide block
         (600, 4, 2880, 352, 1, GPT_OSS),  # every token on expert 0
+        (1000, 4, 160, 224, 2, SILU_AND_MUL),  # ~500 rows per expert: 160-row blocks and a 32-wide tail
     ],
 )
 def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act):
@@ -323,11 +324,11 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
         monkeypatch.setattr(replayer, "_plans", {})
     calls = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
-    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(128, True), (128, False)]
+    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(160, True), (160, False)]
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4,
            aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
-    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(128, False), (128, False)]
+    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(160, False), (160, False)]
     calls.clear()
     _check(_unfused, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
     assert [(m["GATED"], m["DOT_ORDER_OUT"]) for m in calls] == [(False, False), (False, False)]
