@@ -27,7 +27,7 @@ partitions:
   inputs are kept in the dot's K order: x by :func:`dot_order` (a ``[T, padded(H)]``
   temporary), the intermediate by GEMM1's epilogue (``DOT_ORDER_OUT``), each padded with
   zeros to a multiple of 128 columns.
-- A block's MMAs are only as wide as its rows need: 32, 64, 128, or 128 and 32 more (the
+- A block's MMAs are only as wide as its rows need: 32, 64, 64 + 32, 128 or 128 + 32 (the
   32-wide MMA reuses the fragments, so up to 160 rows unpack the weights once).
 
 No split K, and no activation quantization inside: under it the caller quantize-dequantizes
@@ -222,6 +222,10 @@ def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_e
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
                          x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 64, 0,
                          ROWS, STAGES)
+            elif nrows <= 96:
+                _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
+                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 64, EXTRA,
+                         ROWS, STAGES)
             elif nrows <= 128:
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
                          x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 128, 0,
@@ -259,6 +263,11 @@ def _consumer(x_smem, x2_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn
                 _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
                          stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                          stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, 0, STAGES, GATED,
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+            elif nrows <= 96:
+                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, EXTRA, STAGES, GATED,
                          GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
             elif nrows <= 128:
                 _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
