@@ -531,9 +531,8 @@ def unfused_moe(
     """Grouped GEMM1 (+bias, ``[T*k, 2I]`` in x.dtype) → ``gated_activation`` → GEMM2 → k-sum.
 
     No activation quantization. Rows of unrouted slots are left unwritten, and nothing computed
-    from them reaches the output. In
-    the warp-specialized kernel x and the activation's output are also copied in the dot's K
-    order (:func:`mxfx.kernels.moe_sm90_ws.dot_order`).
+    from them reaches the output. For the warp-specialized kernel x and the activation's output
+    are also copied in the dot's K order (:func:`mxfx.kernels.moe_sm90_ws.dot_order`).
     Replayed from a launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same
     signature, when ``gated_activation`` only allocates and launches through
     :class:`~mxfx.kernels.launch.Launcher` (as :func:`mxfx.kernels.activation.gated_activation`).

@@ -5,12 +5,12 @@ warp-specialized, for MXFP4 weights and bfloat16 activations.
 same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
 K permuted inside each 128-wide step. What differs is the data flow. A tile is 128 weight rows
-(64 outputs of a gated GEMM) against a block of up to :data:`BLOCK_M` activation rows. The kernel is
-persistent: one program per SM takes tiles ``pid, pid + grid, ...`` and its ring runs on from
-tile to tile, so the producer copies the next tile's first steps while the consumers finish
-the last ones and run the epilogue (one program per tile, with the ring filled afresh each
-time: T=1024 1216 -> 1180 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). Three
-partitions:
+(64 outputs of a gated GEMM) against a block of up to :data:`BLOCK_M` activation rows. The
+kernel is persistent: one program per SM takes tiles ``pid, pid + grid, ...`` and its ring runs
+on from tile to tile, so the producer copies the next tile's first steps while the consumers
+finish the last ones and run the epilogue (one program per tile, with the ring filled afresh
+each time: T=1024 1216 -> 1180 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397).
+Three partitions:
 
 - A producer (4 warps) copies each K step's packed weight words and the block's activation
   rows into a ``STAGES``-slot shared-memory ring with cp.async, signalling a per-slot mbarrier
@@ -179,9 +179,10 @@ def _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_
             acc2 = warpgroup_mma(a0, x2_smem.index(s).slice(0, 64, dim=1).permute((1, 0)), acc2, is_async=True)
         a1 = _unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
         acc = warpgroup_mma(a1, x.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
-        # Retired before the next step writes the fragments' registers: ptxas does not order
-        # those writes after an in-flight wgmma across the loop's back edge (NaNs on the H200
-        # with one MMA left in flight). The other warpgroup's MMAs overlap this one's unpack.
+        # (Then the second MMA's half.) Every MMA is retired before the next step writes the
+        # fragments' registers: ptxas does not order those writes after an in-flight wgmma
+        # across the loop's back edge (NaNs on the H200 with one MMA left in flight). The other
+        # warpgroup's MMAs overlap this one's unpack.
         if MR2 > 0:
             acc2 = warpgroup_mma(a1, x2_smem.index(s).slice(64, 64, dim=1).permute((1, 0)), acc2, is_async=True)
             acc, acc2, a0, a1 = warpgroup_mma_wait(0, deps=[acc, acc2, a0, a1])
@@ -253,7 +254,8 @@ def _consumer(x_smem, x2_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn
             e64 = expert.to(gl.int64)
             pairs_ptr = sorted_ptr + blk * BLOCK_M
             # MMAs only as wide as the block's rows (often an expert's last block holds a few):
-            # T=4096 2786 -> 2575 µs with halves, 2557 -> 2490 with quarters too.
+            # T=4096 2786 -> 2575 µs with halves, 2557 -> 2490 with quarters too; T=2048 1537 ->
+            # 1481 with 64 + 32 rather than 128.
             if nrows <= 32:
                 _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
                          stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
