@@ -313,6 +313,7 @@ def _moe_gemm_sm90_ws(
     # strides, checked by the caller.
     gl.static_assert(K % 32 == 0)
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
+    gl.static_assert(BLOCK_M == 160)  # the MMA widths of _producer and _consumer cover 160 rows
     # A block's first 128 rows and the rest (see BLOCK_M).
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128],
                                        gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16))
