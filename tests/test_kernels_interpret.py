@@ -131,7 +131,8 @@ def test_quantize_bit_exact(kernel_device, fmt, rounding):
 @pytest.mark.parametrize(
     "T,E,k,block_m",
     [(1, 4, 2, 16), (9, 4, 4, 16), (7, 1, 1, 16), (9, 3, 2, 4), (40, 5, 3, 8), (2, 130, 3, 16),
-     (60, 130, 3, 16), (300, 200, 2, 4)],
+     (60, 130, 3, 16), (300, 200, 2, 4),
+     (250, 3, 2, 160)],  # the warp-specialized kernel's blocks: not a power of two, experts past one block
 )
 @pytest.mark.parametrize("chunk", [256, 16])  # one program; many chunks placed in parallel
 def test_routing_groups_pairs_by_expert(kernel_device, T, E, k, block_m, chunk):
