@@ -420,14 +420,16 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
 
     assert kernels(3) == ["_moe_gemm_sm90"] * 2
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(True, 8)] * 2  # mma.sync
-    assert kernels(40) == ["_moe_gemm_sm90"] * 2
+    assert kernels(12) == ["_moe_gemm_sm90"] * 2
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(False, 32)] * 2  # wgmma
     assert kernels(200) == ["_moe_gemm_sm90_ws"] * 2  # large T: warp-specialized, on dot-ordered x
     names = [name for name, _ in launched]
     assert names.index("_dot_order_kernel") < names.index("_moe_gemm_sm90_ws")
     assert gemm_meta("BLOCK_M", "DOT_ORDER_OUT") == [(160, True), (160, False)]
-    # 40 rows per expert: the same 160-row blocks (the kernel narrows its MMAs to the rows).
-    assert kernels(80) == ["_moe_gemm_sm90_ws"] * 2 and gemm_meta("BLOCK_M", "num_warps") == [(160, 4)] * 2
+    assert gemm_meta("maxnreg", "CONSUMER_REGS") == [(168, 168)] * 2  # one program per SM
+    # 40 rows per expert: 64-row blocks, two programs per SM, so fewer registers each.
+    assert kernels(80) == ["_moe_gemm_sm90_ws"] * 2
+    assert gemm_meta("BLOCK_M", "maxnreg", "CONSUMER_REGS", "PRODUCER_REGS") == [(64, 80, 104, 40)] * 2
     # Activation quantization: x and the intermediate quantize-dequantized into dot order,
     # around GEMM1, which then stores the intermediate in natural order.
     assert kernels(200, aq=ActivationQuant("mxfp4", "round_up")) == ["_moe_gemm_sm90_ws"] * 2

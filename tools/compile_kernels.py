@@ -83,11 +83,11 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     mx.native_scaled_mma = lambda device: native
     try:
         E, k = 4, 2
-        # T = 1, 32, 200 at E=4, k=2: the three tile regimes of pick_config.
+        # T = 1, 12, 80, 200 at E=4, k=2: the four tile regimes of pick_config on Hopper.
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for quantized in (True, False):
                 w = _weights(E, H, I, dtype, quantized)
-                for T in (1, 32, 200) if dtype == torch.bfloat16 else (1,):
+                for T in (1, 12, 80, 200) if dtype == torch.bfloat16 else (1,):
                     x = torch.zeros(T, H, dtype=dtype)
                     ids = torch.arange(T * k, dtype=torch.int32).reshape(T, k) % E
                     tw = torch.ones(T, k, dtype=dtype)

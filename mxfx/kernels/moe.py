@@ -309,20 +309,30 @@ class GemmConfig(NamedTuple):
     ws: bool = False  # the warp-specialized Hopper kernel (mxfx.kernels.moe_sm90_ws), dot-ordered inputs
 
 
+# Mean rows per expert from which the warp-specialized kernel is taken, and up to which its
+# blocks are 64 rows (see pick_config; 56 rows: about 1 expert in 7 needs a second block).
+WS_MIN_ROWS = 8
+WS_SMALL_ROWS = 56
+
+
 def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
                 warp_specialized: bool = False) -> GemmConfig:
     """Tile shapes from the mean rows per expert, measured on the H200 (tools/PERF_LOG.md):
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
     operand, on Hopper (``hopper``: :func:`hopper_fits`) in :mod:`mxfx.kernels.moe_sm90`,
     where up to 4 rows per expert take 8-row blocks and mma.sync (no shared memory, no
-    barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks); once it is matrix-bound,
-    large blocks with one MMA per K step, on Hopper in the warp-specialized kernel where the
-    call allows it (``warp_specialized``: bf16, weight rows 16 bytes apart; T=1024 1358
-    -> 1180 µs, T=4096 ~2950 -> 2360; at T=512, 16 rows per expert, it is slower: 1043-1098
-    against 941)."""
+    barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks). From ``WS_MIN_ROWS`` rows per
+    expert, on Hopper where the call allows it (``warp_specialized``: bf16, weight rows 16
+    bytes apart), the warp-specialized kernel: up to ``WS_SMALL_ROWS`` rows in 64-row blocks,
+    two programs per SM (gpt-oss-120b against 32-row blocks in moe_sm90, alternating runs:
+    T=256 911-917 -> 818-832 µs, T=512 944-1009 -> 867-890, T=1024 1355-1411 -> 1057-1069;
+    against 160-row blocks, T=1792 1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706),
+    past that in 160-row blocks (T=4096 ~2950 -> 2049 against 128-row blocks in the portable
+    kernel). Elsewhere, 32-row blocks, then 128-row blocks with one MMA per K step."""
     rows = num_pairs / num_experts
-    if hopper and warp_specialized and rows >= 32:
-        return GemmConfig(moe_sm90_ws.BLOCK_M, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
+    if hopper and warp_specialized and rows >= WS_MIN_ROWS:
+        block_m = moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M
+        return GemmConfig(block_m, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is smaller than two
         # programs per SM, so its K range is split in two (T=1: 45.3 -> 42.7 µs).

@@ -6,11 +6,11 @@ same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose we
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
 K permuted inside each 128-wide step. What differs is the data flow. A tile is 128 weight rows
 (64 outputs of a gated GEMM) against a block of up to :data:`BLOCK_M` activation rows. The
-kernel is persistent: one program per SM takes tiles ``pid, pid + grid, ...`` and its ring runs
-on from tile to tile, so the producer copies the next tile's first steps while the consumers
-finish the last ones and run the epilogue (one program per tile, with the ring filled afresh
-each time: T=1024 1216 -> 1180 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397).
-Three partitions:
+kernel is persistent: one program per SM (two, for blocks of at most :data:`SMALL_BLOCK_M`
+rows) takes tiles ``pid, pid + grid, ...`` and its ring runs on from tile to tile, so the
+producer copies the next tile's first steps while the consumers finish the last ones and run
+the epilogue (one program per tile, with the ring filled afresh each time: T=1024 1216 -> 1180
+µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). Three partitions:
 
 - A producer (4 warps) copies each K step's packed weight words and the block's activation
   rows into a ``STAGES``-slot shared-memory ring with cp.async, signalling a per-slot mbarrier
@@ -27,8 +27,9 @@ Three partitions:
   inputs are kept in the dot's K order: x by :func:`dot_order` (a ``[T, padded(H)]``
   temporary), the intermediate by GEMM1's epilogue (``DOT_ORDER_OUT``), each padded with
   zeros to a multiple of 128 columns.
-- A block's MMAs are only as wide as its rows need: 32, 64, 64 + 32, 128 or 128 + 32 (the
-  32-wide MMA reuses the fragments, so up to 160 rows unpack the weights once).
+- A block's MMAs are only as wide as its rows need: 16 (in 64-row blocks), 32, 64, 64 + 32,
+  128 or 128 + 32 (the 32-wide MMA reuses the fragments, so up to 160 rows unpack the weights
+  once).
 
 No split K, and no activation quantization inside: under it the caller quantize-dequantizes
 each GEMM's input while putting it in dot order (:func:`dot_order`), so GEMM1 then stores the
@@ -64,6 +65,14 @@ BLOCK_M = 160
 _MAXNREG = 168
 _CONSUMER_REGS = 168
 _PRODUCER_REGS = 64
+# Blocks of at most SMALL_BLOCK_M rows (a narrower accumulator) run two programs per SM, for
+# twice the warps unpacking weights: (programs per SM, registers at launch, consumers',
+# producer's), with 2 x 384 x 80 <= 65536; the first consumer (the default partition) gets
+# what the others leave, 96: 128 x (96 + 104 + 40) = 384 x 80. Its 64-wide K loop spills a
+# register (sm_90a SASS), but a producer of 32 registers, which leaves it 104, was slower
+# (T=1024 1057-1069 -> 1104-1106 µs). Shared memory 107 / 115 KB.
+SMALL_BLOCK_M = 64
+_SMALL = (2, 80, 104, 40)
 
 
 @gluon.constexpr_function
@@ -215,11 +224,15 @@ def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_e
             e64 = expert.to(gl.int64)
             pairs_ptr = sorted_ptr + blk * BLOCK_M
             # As many rows as the consumers' MMAs take (see _consumer).
-            if nrows <= 32:
+            if BLOCK_M <= 64 and nrows <= 16:
+                _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
+                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 16, 0,
+                         ROWS, STAGES)
+            elif nrows <= 32:
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
                          x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 32, 0,
                          ROWS, STAGES)
-            elif nrows <= 64:
+            elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
                          x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 64, 0,
                          ROWS, STAGES)
@@ -255,13 +268,19 @@ def _consumer(x_smem, x2_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn
             pairs_ptr = sorted_ptr + blk * BLOCK_M
             # MMAs only as wide as the block's rows (often an expert's last block holds a few):
             # T=4096 2786 -> 2575 µs with halves, 2557 -> 2490 with quarters too; T=2048 1537 ->
-            # 1481 with 64 + 32 rather than 128.
-            if nrows <= 32:
+            # 1481 with 64 + 32 rather than 128; T=512 914-917 -> 878-881 with 16 in 64-row
+            # blocks (in 160-row ones it would change the code of the wider MMAs, unmeasured).
+            if BLOCK_M <= 64 and nrows <= 16:
+                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 16, 0, STAGES, GATED,
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+            elif nrows <= 32:
                 _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
                          stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                          stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 32, 0, STAGES, GATED,
                          GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
-            elif nrows <= 64:
+            elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
                 _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
                          stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                          stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, 0, STAGES, GATED,
@@ -313,12 +332,16 @@ def _moe_gemm_sm90_ws(
     # strides, checked by the caller.
     gl.static_assert(K % 32 == 0)
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
-    gl.static_assert(BLOCK_M == 160)  # the MMA widths of _producer and _consumer cover 160 rows
+    gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 160))  # the rows the MMA widths cover (SMALL_BLOCK_M, BLOCK_M)
     # A block's first 128 rows and the rest (see BLOCK_M).
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128],
-                                       gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16))
-    x2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M - 128, 128],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M - 128, 128], gl.bfloat16))
+    X_ROWS: gl.constexpr = min(BLOCK_M, 128)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, X_ROWS, 128],
+                                       gl.NVMMASharedLayout.get_default_for([X_ROWS, 128], gl.bfloat16))
+    if BLOCK_M > 128:
+        x2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M - 128, 128],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M - 128, 128], gl.bfloat16))
+    else:
+        x2_smem = x_smem  # never read: no block takes a second MMA
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -393,9 +416,11 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
     num_tiles = num_blocks * cdiv(n_out, 64 if common["GATED"] else 128)
-    GEMM_SM90_WS[(min(num_tiles, _num_sms(args[0].device)),)](
+    per_sm, maxnreg, consumer_regs, producer_regs = (_SMALL if block_m <= SMALL_BLOCK_M else
+                                                     (1, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS))
+    GEMM_SM90_WS[(min(num_tiles, per_sm * _num_sms(args[0].device)),)](
         *args, num_tiles, **common, BLOCK_M=block_m, STAGES=STAGES, DOT_ORDER_OUT=dot_order_out,
-        CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, num_stages=1, maxnreg=maxnreg)
 
 
 @functools.lru_cache(maxsize=None)

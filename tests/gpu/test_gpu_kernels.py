@@ -269,16 +269,16 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
     [
         (1, 8, 2880, 2880, 4, GPT_OSS, True),  # split-K GEMM2
         (12, 16, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), True),  # halves layout
-        (60, 8, 2880, 2880, 4, GPT_OSS, False),  # 32-row blocks
+        (12, 8, 2880, 2880, 4, GPT_OSS, False),  # 32-row blocks
         (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), False),
-        (40, 4, 224, 96, 2, SILU_AND_MUL, False),  # no limit; K = 224, 96 below one 128-step
-        (17, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), False),
+        (12, 4, 224, 96, 2, SILU_AND_MUL, False),  # no limit; K = 224, 96 below one 128-step
+        (24, 4, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), False),
     ],
 )
 def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     """On Hopper, bf16 MXFP4 at small T runs :mod:`mxfx.kernels.moe_sm90` (fused and
     unfused, and A8 through its separate quantize pass), with mma.sync on 8-row blocks up to 4
-    rows per expert and wgmma above; weights not readable as words fall back to the portable
+    rows per expert and wgmma above (below 8 rows per expert, see the next test); weights not readable as words fall back to the portable
     kernel. All match emulation."""
     from mxfx.kernels import moe_sm90
 
@@ -300,22 +300,24 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
 
 
 @pytest.mark.parametrize(
-    "T,E,H,I,k,act",
+    "T,E,H,I,k,act,block_m",
     [
-        (300, 8, 2880, 2880, 4, GPT_OSS),  # ~150 rows per expert: 128- and 32-wide MMAs
-        (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0)),  # halves layout, K tail 96
-        (70, 2, 224, 96, 2, SILU_AND_MUL),  # no limit; K = 224, 96: one step and less
-        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0)),  # E = 1, a 64-wide block
-        (600, 4, 2880, 352, 1, GPT_OSS),  # every token on expert 0
-        (1000, 4, 160, 224, 2, SILU_AND_MUL),  # ~500 rows per expert: 160-row blocks and a 32-wide tail
+        (300, 8, 2880, 2880, 4, GPT_OSS, 160),  # ~150 rows per expert: 128- and 32-wide MMAs
+        (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 160),  # halves layout, K tail 96
+        (70, 2, 224, 96, 2, SILU_AND_MUL, 160),  # no limit; K = 224, 96: one step and less
+        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64),  # E = 1: 64 rows, two programs per SM
+        (600, 4, 2880, 352, 1, GPT_OSS, 160),  # every token on expert 0
+        (144, 4, 2880, 352, 1, GPT_OSS, 64),  # all on expert 0 in 64-row blocks: 64-, 64- and 16-wide MMAs
+        (130, 8, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # ~32 rows per expert: 32- and 64-wide
+        (1000, 4, 160, 224, 2, SILU_AND_MUL, 160),  # ~500 rows per expert: 160-row blocks and a 32-wide tail
     ],
 )
-def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act):
-    """On Hopper, bf16 MXFP4 at 32 rows per expert and more runs :mod:`mxfx.kernels.moe_sm90_ws`
-    for both GEMMs of the fused backend, on dot-ordered inputs (quantize-dequantized on the way
-    under A8), as does the unfused backend, and matches emulation with NaN-poisoned padding
-    around every input. Weights not readable as words and rows not 16 bytes apart take the
-    other kernels."""
+def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, block_m):
+    """On Hopper, bf16 MXFP4 at 8 rows per expert and more runs :mod:`mxfx.kernels.moe_sm90_ws`
+    (64-row blocks up to 56 rows per expert, 160-row blocks past) for both GEMMs of the fused
+    backend, on dot-ordered inputs (quantize-dequantized on the way under A8), as does the
+    unfused backend, and matches emulation with NaN-poisoned padding around every input.
+    Weights not readable as words and rows not 16 bytes apart take the other kernels."""
     from mxfx.kernels import moe_sm90, moe_sm90_ws
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -324,11 +326,11 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
         monkeypatch.setattr(replayer, "_plans", {})
     calls = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
-    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(160, True), (160, False)]
+    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(block_m, True), (block_m, False)]
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4,
            aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
-    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(160, False), (160, False)]
+    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(block_m, False), (block_m, False)]
     calls.clear()
     _check(_unfused, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
     assert [(m["GATED"], m["DOT_ORDER_OUT"]) for m in calls] == [(False, False), (False, False)]
