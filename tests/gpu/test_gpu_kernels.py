@@ -278,8 +278,8 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
 def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     """On Hopper, bf16 MXFP4 at small T runs :mod:`mxfx.kernels.moe_sm90` (fused and
     unfused, and A8 through its separate quantize pass), with mma.sync on 8-row blocks up to 4
-    rows per expert and wgmma above (below 8 rows per expert, see the next test); weights not readable as words fall back to the portable
-    kernel. All match emulation."""
+    rows per expert and wgmma above (below 8 rows per expert, see the next test); weights not
+    readable as words fall back to the portable kernel. All match emulation."""
     from mxfx.kernels import moe_sm90
 
     if not moe_sm90.runs_on(torch.device("cuda")):
