@@ -311,6 +311,8 @@ class GemmConfig(NamedTuple):
 
 # Mean rows per expert from which the warp-specialized kernel is taken, and up to which its
 # blocks are 64 rows (see pick_config; 56 rows: about 1 expert in 7 needs a second block).
+# Tuned on gpt-oss-120b; on gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B the pick was also the
+# fastest of the three kernels at 8 to 64 rows, or within 0.6 % (tools/PERF_LOG.md, session 11).
 WS_MIN_ROWS = 8
 WS_SMALL_ROWS = 56
 
