@@ -17,6 +17,20 @@ KERNELS = {"_moe_gemm", "_sum_slots", "_place_kernel", "_count_kernel", "_gated_
            "_qdq_kernel", "_dequant_kernel"}
 
 
+def test_serialized_wgmma_is_read_from_the_ptxas_log():
+    # ptxas 12.9 -v, on a warp-specialized kernel whose consumers had 216 registers (session 11).
+    log = ["ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+           "to insufficient register resources for the function '_moe_gemm_sm90_ws'",
+           "ptxas info    : Used 168 registers, used 4 barriers, 48 bytes cumulative stack size"]
+    # In a process of its own: the tool compiles for GPUs, this one interprets kernels.
+    code = ("import json, sys; import compile_kernels as c; log = json.load(sys.stdin); "
+            "print(json.dumps([c.serialized_wgmma(log), c.serialized_wgmma(log[1:])]))")
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(log), capture_output=True, text=True,
+                       cwd=TOOL.parent, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == [[log[0].strip()], []]
+
+
 @pytest.mark.parametrize("target", ["cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950"])
 def test_every_kernel_compiles_for(target):
     r = subprocess.run([sys.executable, str(TOOL), "--target", target, "--json"],
@@ -24,6 +38,9 @@ def test_every_kernel_compiles_for(target):
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     failed = [f"{row['kernel']}: {row['error']}" for row in rows if "error" in row]
     assert not failed, "\n".join(failed)
+    # A kernel whose wgmmas ptxas serialized builds and runs right, at a fraction of its speed.
+    serialized = [f"{row['kernel']}: {row['serialized_wgmma']}" for row in rows if "serialized_wgmma" in row]
+    assert not serialized, "\n".join(serialized)
     assert r.returncode == 0, r.stderr[-2000:]
     # The Hopper kernels are compiled for sm_90 only (wgmma), and the launch code chooses them there;
     # on GPUs with MX matrix instructions A8/A4 quantize into MX elements for tl.dot_scaled.

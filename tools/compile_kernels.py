@@ -9,7 +9,9 @@ CUDA, the AMDGPU backend for ROCm), so a kernel that does not build for a GPU fa
 without one. One line per specialization, or ``--json``. ``--sass`` (CUDA targets) adds the
 SASS instruction count of each kernel's longest loop and its most frequent opcodes, a
 first look at a variant's arithmetic cost before timing it on a GPU (with a model's sizes,
-so that the K loop is a loop).
+so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from Triton's cache,
+so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
+registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``).
 
     python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
     python tools/compile_kernels.py --target cuda:90 --sass --hidden 2880 --intermediate 2880
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import json
 import os
 import re
@@ -25,11 +29,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 os.environ.pop("TRITON_INTERPRET", None)  # kernels must be JIT functions, not interpreted
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
@@ -108,15 +114,36 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     return list(launches.values())
 
 
-def compile_launch(kernel, args: tuple, meta: dict, target: GPUTarget):
-    """Bind, specialize and compile one launch as Triton's ``kernel[grid](...)`` would."""
+def compile_launch(kernel, args: tuple, meta: dict, target: GPUTarget, ptxas_log: Optional[list] = None):
+    """Bind, specialize and compile one launch as Triton's ``kernel[grid](...)`` would. With
+    ``ptxas_log`` (CUDA targets) the kernel is compiled afresh, not taken from Triton's cache,
+    and the lines of ptxas's log are appended to it."""
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **meta)
     options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-    return triton.compile(source(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    build = lambda: triton.compile(source(kernel, signature, constexprs, attrs), target=target,  # noqa: E731
+                                   options=options.__dict__)
+    if ptxas_log is None or target.backend != "cuda":
+        return build()
+    saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+    knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):  # Triton prints the log
+            compiled = build()
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
+    ptxas_log.extend(printed.getvalue().splitlines())
+    return compiled
+
+
+def serialized_wgmma(ptxas_log: list) -> list:
+    """ptxas's notes that it serialized a kernel's wgmma instructions (C7510-C7515: e.g. too few
+    registers for the function): each MMA then waits for the previous one, a large slowdown
+    that only a GPU run would otherwise show."""
+    return [line.strip() for line in ptxas_log if "wgmma" in line and "Performance Loss" in line]
 
 
 def loop_sass(cubin: bytes, top: int = 8) -> dict:
@@ -159,14 +186,19 @@ def main(argv=None) -> int:
         for kernel, args, meta in record_launches(target, a.hidden, a.intermediate):
             row = {"target": text, "kernel": _describe(kernel, args, meta)}
             try:
-                compiled = compile_launch(kernel, args, meta, target)
+                log: list = []
+                compiled = compile_launch(kernel, args, meta, target, log)
                 row["shared"] = compiled.metadata.shared
+                if serialized_wgmma(log):
+                    row["serialized_wgmma"] = serialized_wgmma(log)
                 if a.sass and target.backend == "cuda":
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so
                 failed += 1
                 row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
             status = f"FAIL {row['error']}" if "error" in row else f"ok   smem {row['shared']}"
+            if "serialized_wgmma" in row:
+                status += " WGMMA SERIALIZED"
             if "loop_instructions" in row:
                 status += f" loop {row['loop_instructions']} {dict(row['top'])}"
             print(json.dumps(row) if a.json else f"{text:11s} {status:50s} {row['kernel']}", flush=True)
