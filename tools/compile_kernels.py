@@ -123,20 +123,24 @@ def compile_launch(kernel, args: tuple, meta: dict, target: GPUTarget, ptxas_log
     bound, specialization, options = binder(*args, **meta)
     options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-    build = lambda: triton.compile(source(kernel, signature, constexprs, attrs), target=target,  # noqa: E731
-                                   options=options.__dict__)
-    if ptxas_log is None or target.backend != "cuda":
-        return build()
+    reading = ptxas_log is not None and target.backend == "cuda"
+    with _reading_ptxas_log(ptxas_log) if reading else contextlib.nullcontext():
+        return triton.compile(source(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+@contextlib.contextmanager
+def _reading_ptxas_log(into: list):
+    """Inside, Triton recompiles (no cache hit, so ptxas runs) and prints ptxas's log, whose
+    lines go to ``into``."""
     saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
     knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):  # Triton prints the log
-            compiled = build()
+        with contextlib.redirect_stdout(printed):
+            yield
     finally:
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
-    ptxas_log.extend(printed.getvalue().splitlines())
-    return compiled
+        into.extend(printed.getvalue().splitlines())
 
 
 def serialized_wgmma(ptxas_log: list) -> list:
@@ -189,8 +193,9 @@ def main(argv=None) -> int:
                 log: list = []
                 compiled = compile_launch(kernel, args, meta, target, log)
                 row["shared"] = compiled.metadata.shared
-                if serialized_wgmma(log):
-                    row["serialized_wgmma"] = serialized_wgmma(log)
+                serialized = serialized_wgmma(log)
+                if serialized:
+                    row["serialized_wgmma"] = serialized
                 if a.sass and target.backend == "cuda":
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so
