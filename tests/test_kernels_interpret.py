@@ -396,7 +396,7 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     quantization); everything else to the portable kernel (launches recorded)."""
     import dataclasses
 
-    from mxfx.kernels import launch, moe_sm90
+    from mxfx.kernels import launch, moe_sm90, moe_sm90_ws
     from mxfx.kernels.activation import gated_activation
 
     launched = []
@@ -426,10 +426,12 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     names = [name for name, _ in launched]
     assert names.index("_dot_order_kernel") < names.index("_moe_gemm_sm90_ws")
     assert gemm_meta("BLOCK_M", "DOT_ORDER_OUT") == [(160, True), (160, False)]
-    assert gemm_meta("maxnreg", "CONSUMER_REGS") == [(168, 168)] * 2  # one program per SM
+    # One program per SM: three consumers (192-row tiles) and the producer, 3 ring slots.
+    assert gemm_meta("NC", "maxnreg", "CONSUMER_REGS", "PRODUCER_REGS", "STAGES") == [(3, 128, 160, 40, 3)] * 2
     # 40 rows per expert: 64-row blocks, two programs per SM, so fewer registers each.
     assert kernels(80) == ["_moe_gemm_sm90_ws"] * 2
-    assert gemm_meta("BLOCK_M", "maxnreg", "CONSUMER_REGS", "PRODUCER_REGS") == [(64, 80, 104, 40)] * 2
+    assert gemm_meta("BLOCK_M", "NC", "maxnreg", "CONSUMER_REGS", "PRODUCER_REGS", "STAGES") == [
+        (64, 2, 80, 104, 40, 4)] * 2
     # Activation quantization: x and the intermediate quantize-dequantized into dot order,
     # around GEMM1, which then stores the intermediate in natural order.
     assert kernels(200, aq=ActivationQuant("mxfp4", "round_up")) == ["_moe_gemm_sm90_ws"] * 2
@@ -453,6 +455,9 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
     assert kernels(200, w13=shifted) == ["_moe_gemm"] * 2
     assert kernels(40, w13=shifted) == ["_moe_gemm_sm90"] * 2
+    # Dot-ordered inputs of 2^31 elements or more (the producer's offsets are int32): not
+    # warp-specialized.
+    assert moe_sm90_ws.fits(W, 2**24 - 1, 100, 64) and not moe_sm90_ws.fits(W, 2**24, 100, 64)
     assert kernels(3, torch.float16) == ["_moe_gemm"] * 2  # the unpack makes bf16
     assert kernels(3, quantized=False) == ["_moe_gemm"] * 2
     # Rows of the packed weights not a multiple of 4 bytes apart: not readable as words, and

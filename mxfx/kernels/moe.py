@@ -498,7 +498,7 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     native = aq.fmt != "none" and weights.quantized and mx.native_scaled_mma(x.device)
     hopper = hopper_fits(x, weights) and not native
-    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights))
+    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
     if cfg.ws:
         # Both GEMM inputs in the dot's K order (quantize-dequantized on the way under
@@ -560,7 +560,7 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     hopper = hopper_fits(x, weights)
-    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights))
+    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
     routing = align(topk_ids, weights.num_experts, cfg.block_m)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
     # The warp-specialized kernel reads both GEMM inputs in the dot's K order.

@@ -4,22 +4,29 @@ warp-specialized, for MXFP4 weights and bfloat16 activations.
 :func:`_moe_gemm_sm90_ws` takes the runtime arguments of ``moe._moe_gemm`` and computes the
 same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
-K permuted inside each 128-wide step. What differs is the data flow. A tile is 128 weight rows
-(64 outputs of a gated GEMM) against a block of up to :data:`BLOCK_M` activation rows. The
-kernel is persistent: one program per SM (two, for blocks of at most :data:`SMALL_BLOCK_M`
-rows) takes tiles ``pid, pid + grid, ...`` and its ring runs on from tile to tile, so the
+K permuted inside each 128-wide step. What differs is the data flow. A tile is 64 weight rows
+per consumer warpgroup (32 outputs of a gated GEMM): 192 rows with the three consumers of
+blocks of up to :data:`BLOCK_M` activation rows, 128 with the two of blocks of at most
+:data:`SMALL_BLOCK_M`. The kernel is persistent: one program per SM (two, for the small
+blocks) takes tiles ``pid, pid + grid, ...`` and its ring runs on from tile to tile, so the
 producer copies the next tile's first steps while the consumers finish the last ones and run
 the epilogue (one program per tile, with the ring filled afresh each time: T=1024 1216 -> 1180
-µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). Three partitions:
+µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). The partitions:
 
 - A producer (4 warps) copies each K step's packed weight words and the block's activation
   rows into a ``STAGES``-slot shared-memory ring with cp.async, signalling a per-slot mbarrier
-  as the copies land; it does nothing else, so the copies run several steps ahead.
-- Two consumers (a warpgroup each, 64 of the weight rows) read their words from the ring,
+  as the copies land; it does nothing else, so the copies run several steps ahead. It keeps
+  int32 offsets rather than pointers, for registers (:func:`fits` bounds the inputs).
+- Consumers (a warpgroup each, 64 of the weight rows) read their words from the ring,
   unpack them and multiply by wgmma against the activation slot, each freeing the slot once
   its MMAs have retired. A consumer unpacks the second half of a step while the MMA of the
-  first half runs (T=4096 2490 -> 2390 µs), and the two run apart, so that one's MMAs overlap
-  the other's unpack (one consumer of 128 rows in lockstep: 2879).
+  first half runs (T=4096 2490 -> 2390 µs), and they run apart, so that one's MMAs overlap
+  the others' unpack (one consumer of 128 rows in lockstep: 2879). A consumer's step is
+  latency-bound, not issue-bound (ncu at T=4096 with two consumers: 2130 cycles per step for
+  1280 of MMA, 37 % of issue slots busy, the producer waiting on free slots), so more
+  consumers keep the tensor cores busier: three rather than two in the big blocks, T=2048
+  1453-1459 -> 1313-1314 µs, T=4096 2035-2039 -> 1902-1904. (Two 64-row sub-tiles per
+  consumer instead, halving the activation traffic per MMA, changed nothing: 2073 -> 2098-2110.)
   Every MMA retires within its step: ptxas does not order the next step's writes of the
   fragment registers after an MMA still in flight across the loop's back edge, which gave
   NaNs on the H200.
@@ -61,18 +68,20 @@ STAGES = 4
 # exactly 128 rows per expert 1913 µs, 129 rows 2709: the one-row block cost as much as the
 # full one. Random top-4 at T=4096 gives 128 ± 11 rows.)
 BLOCK_M = 160
-# Registers per thread: one program of 3 warpgroups (two consumers, the producer) per SM.
-_MAXNREG = 168
-_CONSUMER_REGS = 168
-_PRODUCER_REGS = 64
-# Blocks of at most SMALL_BLOCK_M rows (a narrower accumulator) run two programs per SM, for
-# twice the warps unpacking weights: (programs per SM, registers at launch, consumers',
-# producer's), with 2 x 384 x 80 <= 65536; the first consumer (the default partition) gets
-# what the others leave, 96: 128 x (96 + 104 + 40) = 384 x 80. Its 64-wide K loop spills a
+# Blocks of up to BLOCK_M rows: one program per SM of four warpgroups, three consumers and the
+# producer: (programs per SM, consumers, registers at launch, consumers', producer's, ring
+# slots), with 512 x 128 = 65536; the default partition (the first consumer) gets what the
+# others leave, 4 x 128 - 2 x 160 - 40 = 152 (no spills in the K loops, sm_90a SASS). Three
+# slots: with four, GEMM2 would need 232 KiB of shared memory with its epilogue's scratch, over
+# the 227 KiB an H100/H200 block may have (GEMM1 220 KiB: four slots there are untried).
+_BIG = (1, 3, 128, 160, 40, 3)
+# Blocks of at most SMALL_BLOCK_M rows (a narrower accumulator) run two programs per SM of two
+# consumers each, for more warps unpacking weights: as _BIG, with 2 x 384 x 80 <= 65536; the
+# first consumer gets 96: 128 x (96 + 104 + 40) = 384 x 80. Its 64-wide K loop spills a
 # register (sm_90a SASS), but a producer of 32 registers, which leaves it 104, was slower
 # (T=1024 1057-1069 -> 1104-1106 µs). Shared memory 107 / 115 KB.
 SMALL_BLOCK_M = 64
-_SMALL = (2, 80, 104, 40)
+_SMALL = (2, 2, 80, 104, 40, STAGES)
 
 
 @gluon.constexpr_function
@@ -95,20 +104,31 @@ def _tile(t, N, block_expert_ptr, block_rows_ptr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _x_rows(a_ptr, stride_am, pairs_ptr, nrows, A_ROW_DIV: gl.constexpr, MR: gl.constexpr):
-    """The first step's pointers to the activation rows of pairs ``pairs_ptr[:MR]`` and their
-    mask (rows past ``nrows`` are not read)."""
+def _x_rows(stride_am, pairs_ptr, nrows, A_ROW_DIV: gl.constexpr, MR: gl.constexpr):
+    """The first step's element offsets (int32: fewer registers than pointers for the producer)
+    of the activation rows of pairs ``pairs_ptr[:MR]``, and their mask (rows past ``nrows``
+    are not read)."""
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16 bytes per copy
     m = gl.arange(0, MR, layout=gl.SliceLayout(1, XL))
     pairs = gl.load(pairs_ptr + m, mask=m < nrows, other=0)
     kx = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
-    x_ptrs = gl.expand_dims(a_ptr + (pairs // A_ROW_DIV).to(gl.int64) * stride_am, 1) + kx
-    return x_ptrs, gl.expand_dims(m < nrows, 1) & (kx < 128)
+    return gl.expand_dims((pairs // A_ROW_DIV) * stride_am, 1) + kx, gl.expand_dims(m < nrows, 1) & (kx < 128)
+
+
+@gluon.jit
+def _w_rows(stride_wn, n0, N, up_offset, r0, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, R: gl.constexpr):
+    """The first step's word offsets ``[R, 16]`` (int32) of tile rows ``r0 + [0, R)`` in the
+    expert's weights, and each offset's word column."""
+    WL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    r = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, WL))
+    wk = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WL)), 0) + gl.expand_dims(r * 0, 1)
+    # Rows are 16-byte aligned (fits()).
+    return gl.expand_dims(_tile_row(r, n0, N, up_offset, GATED, GATE_STRIDE) * (stride_wn // 4), 1) + wk, wk
 
 
 @gluon.jit
 def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
-             x_smem, x2_smem, w_smem, ready, empty, g,
+             x_smem, x2_smem, w_smem, w2_smem, ready, empty, g,
              K: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
              MR: gl.constexpr, MR2: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
     """Copies every K step of the block whose pairs start at ``pairs_ptr`` (``MR`` rows, and
@@ -116,34 +136,34 @@ def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e6
     past ``nrows`` and words past K are zero-filled, not read. ``g``: the steps this program has
     copied before (the ring runs on across its tiles)."""
     NS: gl.constexpr = (K + 127) // 128
-    x_ptrs, x_ok = _x_rows(a_ptr, stride_am, pairs_ptr, nrows, A_ROW_DIV, MR)
+    x_off, x_ok = _x_rows(stride_am, pairs_ptr, nrows, A_ROW_DIV, MR)
     if MR2 > 0:
-        x2_ptrs, x2_ok = _x_rows(a_ptr, stride_am, pairs_ptr + MR, nrows - MR, A_ROW_DIV, MR2)
-    WL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WL))
-    wrow = _tile_row(r, n0, N, up_offset, GATED, GATE_STRIDE)
-    wk = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WL)), 0)
-    w_base = (w_ptr + e64 * stride_we + wrow.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32), bitcast=True)
-    w_ptrs = gl.expand_dims(w_base, 1) + wk
-    r_ok = gl.expand_dims(r >= 0, 1)
+        x2_off, x2_ok = _x_rows(stride_am, pairs_ptr + MR, nrows - MR, A_ROW_DIV, MR2)
+    W1: gl.constexpr = min(ROWS, 128)
+    w_base = (w_ptr + e64 * stride_we).to(gl.pointer_type(gl.int32), bitcast=True)
+    w_off, wk = _w_rows(stride_wn, n0, N, up_offset, 0, GATED, GATE_STRIDE, W1)
+    if ROWS > 128:
+        w2_off, wk2 = _w_rows(stride_wn, n0, N, up_offset, 128, GATED, GATE_STRIDE, ROWS - 128)
     for i in range(NS):
         s = (g + i) % STAGES
         mbarrier.wait(empty.index(s), (((g + i) // STAGES) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(x_smem.index(s).slice(0, MR), x_ptrs + i * 128, mask=x_ok)
+        async_copy.async_copy_global_to_shared(x_smem.index(s).slice(0, MR), a_ptr + (x_off + i * 128), mask=x_ok)
         if MR2 > 0:
-            async_copy.async_copy_global_to_shared(x2_smem.index(s), x2_ptrs + i * 128, mask=x2_ok)
-        async_copy.async_copy_global_to_shared(w_smem.index(s), w_ptrs + i * 16, mask=r_ok & (i * 16 + wk < K // 8))
+            async_copy.async_copy_global_to_shared(x2_smem.index(s), a_ptr + (x2_off + i * 128), mask=x2_ok)
+        async_copy.async_copy_global_to_shared(w_smem.index(s).slice(0, W1), w_base + (w_off + i * 16),
+                                               mask=i * 16 + wk < K // 8)
+        if ROWS > 128:
+            async_copy.async_copy_global_to_shared(w2_smem.index(s), w_base + (w2_off + i * 16),
+                                                   mask=i * 16 + wk2 < K // 8)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
 
 @gluon.jit
-def _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-             nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
-             up_offset, alpha, beta, limit,
-             K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, MR2: gl.constexpr, STAGES: gl.constexpr,
-             GATED: gl.constexpr,
-             GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-             ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+             stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
+             stride_om, N, up_offset, alpha, beta, limit, K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr,
+             MR2: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
+             HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
     """Warpgroup ``G``'s K loop over the ring (its 64 of the slot's weight rows) and the
     epilogue of its tile of the block whose pairs start at ``pairs_ptr`` (``MR`` rows, and
     ``MR2`` more from ``x2_smem`` by a second MMA on the same fragments); ``g`` as in
@@ -179,7 +199,11 @@ def _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_
         sc_next = gl.load(s_rows + ((i + 1) * 4 + sg), mask=(i + 1) * 4 + sg < K // 32, other=127)
         # Words 2h, 2h + 1 of each segment are the step's columns [64h, 64h + 64) in the dot's
         # order: half 1 is unpacked while the MMA of half 0 runs.
-        w = gl.reshape(w_smem.index(s).slice(64 * G, 64).load(_ring_words_layout(64)), [64, 1, 4, 2, 2])
+        if G < 2:
+            w = w_smem.index(s).slice(64 * G, 64).load(_ring_words_layout(64))
+        else:
+            w = w2_smem.index(s).slice(64 * G - 128, 64).load(_ring_words_layout(64))
+        w = gl.reshape(w, [64, 1, 4, 2, 2])
         w0, w1 = gl.split(gl.permute(w, [0, 1, 2, 4, 3]))
         x = x_smem.index(s).slice(0, MR)
         a0 = _unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
@@ -212,7 +236,7 @@ def _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_
 
 @gluon.jit
 def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
-              num_tiles, N, up_offset, x_smem, x2_smem, w_smem, ready, empty,
+              num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty,
               K: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
     NS: gl.constexpr = (K + 127) // 128
@@ -226,43 +250,43 @@ def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_e
             # As many rows as the consumers' MMAs take (see _consumer).
             if BLOCK_M <= 64 and nrows <= 16:
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
-                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 16, 0,
+                         x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 16, 0,
                          ROWS, STAGES)
             elif nrows <= 32:
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
-                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 32, 0,
+                         x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 32, 0,
                          ROWS, STAGES)
             elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
-                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 64, 0,
+                         x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 64, 0,
                          ROWS, STAGES)
             elif nrows <= 96:
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
-                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 64, EXTRA,
+                         x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 64, EXTRA,
                          ROWS, STAGES)
             elif nrows <= 128:
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
-                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 128, 0,
+                         x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 128, 0,
                          ROWS, STAGES)
             else:
-                _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
-                         x_smem, x2_smem, w_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 128, EXTRA,
-                         ROWS, STAGES)
+                _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset, x_smem,
+                         x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 128, EXTRA, ROWS,
+                         STAGES)
             g += NS
 
 
 @gluon.jit
-def _consumer(x_smem, x2_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
               block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
               out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
-              K: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+              K: gl.constexpr, NC: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
               GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-              ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+              ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, G: gl.constexpr):
     NS: gl.constexpr = (K + 127) // 128
     EXTRA: gl.constexpr = BLOCK_M - 128
     g = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, 64 if GATED else 128)
+        blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, (32 if GATED else 64) * NC)
         if expert >= 0:
             e64 = expert.to(gl.int64)
             pairs_ptr = sorted_ptr + blk * BLOCK_M
@@ -271,35 +295,35 @@ def _consumer(x_smem, x2_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn
             # 1481 with 64 + 32 rather than 128; T=512 914-917 -> 878-881 with 16 in 64-row
             # blocks (in 160-row ones it would change the code of the wider MMAs, unmeasured).
             if BLOCK_M <= 64 and nrows <= 16:
-                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 16, 0, STAGES, GATED,
+                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
+                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 16, 0, STAGES, GATED,
                          GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
             elif nrows <= 32:
-                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 32, 0, STAGES, GATED,
+                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
+                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 32, 0, STAGES, GATED,
                          GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
             elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
-                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, 0, STAGES, GATED,
+                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
+                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, 0, STAGES, GATED,
                          GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
             elif nrows <= 96:
-                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, EXTRA, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
+                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, EXTRA, STAGES,
+                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
             elif nrows <= 128:
-                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, 0, STAGES, GATED,
+                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
+                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, 0, STAGES, GATED,
                          GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
             else:
-                _consume(x_smem, x2_smem, w_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                         stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, EXTRA, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
+                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, EXTRA, STAGES,
+                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
             g += NS
 
 
@@ -325,6 +349,7 @@ def _moe_gemm_sm90_ws(
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
     DOT_ORDER_OUT: gl.constexpr,
+    NC: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -335,6 +360,7 @@ def _moe_gemm_sm90_ws(
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 160))  # the rows the MMA widths cover (SMALL_BLOCK_M, BLOCK_M)
     # A block's first 128 rows and the rest (see BLOCK_M).
     X_ROWS: gl.constexpr = min(BLOCK_M, 128)
+    ROWS: gl.constexpr = 64 * NC  # a tile's weight rows
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, X_ROWS, 128],
                                        gl.NVMMASharedLayout.get_default_for([X_ROWS, 128], gl.bfloat16))
     if BLOCK_M > 128:
@@ -342,25 +368,50 @@ def _moe_gemm_sm90_ws(
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M - 128, 128], gl.bfloat16))
     else:
         x2_smem = x_smem  # never read: no block takes a second MMA
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # A tile's first 128 weight rows and the rest (powers of two).
+    WS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, min(ROWS, 128), 16], WS)
+    if ROWS > 128:
+        w2_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS - 128, 16], WS)
+    else:
+        w2_smem = w_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=128)  # every producer thread's copies
-        mbarrier.init(empty.index(i), count=2)  # each consumer warpgroup's MMA
-    gl.warp_specialize([
-        (_consumer, (x_smem, x2_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-                     block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                     out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, 0, BLOCK_M, STAGES, GATED,
-                     GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
-        (_consumer, (x_smem, x2_smem, w_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-                     block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                     out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, 1, BLOCK_M, STAGES, GATED,
-                     GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)),
-        (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                     num_tiles, N, up_offset, x_smem, x2_smem, w_smem, ready, empty, K, A_ROW_DIV, GATED, GATE_STRIDE,
-                     BLOCK_M, 128, STAGES)),
-    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        mbarrier.init(empty.index(i), count=NC)  # each consumer warpgroup's MMA
+    if NC == 3:
+        gl.warp_specialize([
+            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 0)),
+            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 1)),
+            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 2)),
+            (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                         num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
+                         GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 0)),
+            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 1)),
+            (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                         num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
+                         GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @triton.jit
@@ -404,22 +455,24 @@ def dot_order(x: torch.Tensor, aq: ActivationQuant = ActivationQuant()) -> torch
     return out
 
 
-def fits(weights: MoEWeights) -> bool:
+def fits(weights: MoEWeights, pairs: int, hidden: int, inter: int) -> bool:
     """Whether the weights' packed rows can be copied in 16-byte pieces (aligned, unit stride
-    along K); the kernel's other conditions are :func:`mxfx.kernels.moe.hopper_fits`'."""
-    return all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in w.stride()[:-1])
-               for w in (weights.w13, weights.w2))
+    along K), and the dot-ordered inputs of ``pairs`` rows (x and the intermediate) have fewer
+    than 2^31 elements (the producer's offsets are int32); the kernel's other conditions are
+    :func:`mxfx.kernels.moe.hopper_fits`'."""
+    return (pairs * padded(max(hidden, inter)) < 2**31
+            and all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in w.stride()[:-1])
+                    for w in (weights.w13, weights.w2)))
 
 
 def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int, dot_order_out: bool) -> None:
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
-    num_tiles = num_blocks * cdiv(n_out, 64 if common["GATED"] else 128)
-    per_sm, maxnreg, consumer_regs, producer_regs = (_SMALL if block_m <= SMALL_BLOCK_M else
-                                                     (1, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS))
+    per_sm, nc, maxnreg, consumer_regs, producer_regs, stages = _SMALL if block_m <= SMALL_BLOCK_M else _BIG
+    num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * nc)
     GEMM_SM90_WS[(min(num_tiles, per_sm * _num_sms(args[0].device)),)](
-        *args, num_tiles, **common, BLOCK_M=block_m, STAGES=STAGES, DOT_ORDER_OUT=dot_order_out,
+        *args, num_tiles, **common, BLOCK_M=block_m, STAGES=stages, DOT_ORDER_OUT=dot_order_out, NC=nc,
         CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, num_stages=1, maxnreg=maxnreg)
 
 
