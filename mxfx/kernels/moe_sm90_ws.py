@@ -358,6 +358,7 @@ def _moe_gemm_sm90_ws(
     gl.static_assert(K % 32 == 0)
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 160))  # the rows the MMA widths cover (SMALL_BLOCK_M, BLOCK_M)
+    gl.static_assert((NC == 2) | (NC == 3))  # the partition lists below
     # A block's first 128 rows and the rest (see BLOCK_M).
     X_ROWS: gl.constexpr = min(BLOCK_M, 128)
     ROWS: gl.constexpr = 64 * NC  # a tile's weight rows
