@@ -5,12 +5,11 @@ warp-specialized, for MXFP4 weights and bfloat16 activations.
 same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
 K permuted inside each 128-wide step. What differs is the data flow. A tile is 64 weight rows
-per consumer warpgroup (32 outputs of a gated GEMM): 192 rows with the three consumers of
-blocks of up to :data:`BLOCK_M` activation rows, 128 with the two of blocks of at most
-:data:`SMALL_BLOCK_M`. The kernel is persistent: one program per SM (two, for the small
-blocks) takes tiles ``pid, pid + grid, ...`` and its ring runs on from tile to tile, so the
-producer copies the next tile's first steps while the consumers finish the last ones and run
-the epilogue (one program per tile, with the ring filled afresh each time: T=1024 1216 -> 1180
+per consumer warpgroup (32 outputs of a gated GEMM), 192 rows with the three consumers, over
+blocks of up to :data:`BLOCK_M` activation rows (or :data:`SMALL_BLOCK_M`). The kernel is
+persistent: one program per SM takes tiles ``pid, pid + grid, ...`` and its ring runs on from
+tile to tile, so the producer copies the next tile's first steps while the consumers finish
+the last ones and run the epilogue (one program per tile, with the ring filled afresh each time: T=1024 1216 -> 1180
 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). The partitions:
 
 - A producer (4 warps) copies each K step's packed weight words and the block's activation
@@ -24,7 +23,7 @@ the epilogue (one program per tile, with the ring filled afresh each time: T=102
   the others' unpack (one consumer of 128 rows in lockstep: 2879). A consumer's step is
   latency-bound, not issue-bound (ncu at T=4096 with two consumers: 2130 cycles per step for
   1280 of MMA, 37 % of issue slots busy, the producer waiting on free slots), so more
-  consumers keep the tensor cores busier: three rather than two in the big blocks, T=2048
+  consumers keep the tensor cores busier: three rather than two in 160-row blocks, T=2048
   1453-1459 -> 1313-1314 µs, T=4096 2035-2039 -> 1902-1904. (Two 64-row sub-tiles per
   consumer instead, halving the activation traffic per MMA, changed nothing: 2073 -> 2098-2110.)
   Every MMA retires within its step: ptxas does not order the next step's writes of the
@@ -60,28 +59,32 @@ from mxfx.kernels import mx
 from mxfx.kernels.launch import Launcher, cdiv
 from mxfx.kernels.moe_sm90 import _epilogue, _log2, _tables, _tile_row, _unpack_a, _w_layout, _weight_rows
 
-# Ring slots. T=4096: 3 slots 2840 µs against 4 2786 (before half-width blocks), 5 2544 against
-# 4 2526 (after).
-STAGES = 4
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
 # expert with up to 160 rows unpacks its weights once. (gpt-oss-120b, H200, 128-row blocks:
 # exactly 128 rows per expert 1913 µs, 129 rows 2709: the one-row block cost as much as the
 # full one. Random top-4 at T=4096 gives 128 ± 11 rows.)
 BLOCK_M = 160
-# Blocks of up to BLOCK_M rows: one program per SM of four warpgroups, three consumers and the
-# producer: (programs per SM, consumers, registers at launch, consumers', producer's, ring
-# slots), with 512 x 128 = 65536; the default partition (the first consumer) gets what the
-# others leave, 4 x 128 - 2 x 160 - 40 = 152 (no spills in the K loops, sm_90a SASS). Three
-# slots: with four, GEMM2 would need 232 KiB of shared memory with its epilogue's scratch, over
-# the 227 KiB an H100/H200 block may have (GEMM1 220 KiB: four slots there are untried).
-_BIG = (1, 3, 128, 160, 40, 3)
-# Blocks of at most SMALL_BLOCK_M rows (a narrower accumulator) run two programs per SM of two
-# consumers each, for more warps unpacking weights: as _BIG, with 2 x 384 x 80 <= 65536; the
-# first consumer gets 96: 128 x (96 + 104 + 40) = 384 x 80. Its 64-wide K loop spills a
-# register (sm_90a SASS), but a producer of 32 registers, which leaves it 104, was slower
-# (T=1024 1057-1069 -> 1104-1106 µs). Shared memory 107 / 115 KB.
+# Experts with few rows take blocks of at most this many (a narrower accumulator, fewer rows
+# copied for nothing).
 SMALL_BLOCK_M = 64
-_SMALL = (2, 2, 80, 104, 40, STAGES)
+# One program per SM of four warpgroups, whatever the block: three consumers and the producer.
+# Registers at launch, the consumers', the producer's: 4 x 128 = 512 per thread across them,
+# so the default partition (the first consumer) gets what the others leave, 512 - 2 x 160 - 40
+# = 152 (no spills in the K loops, sm_90a SASS). Against two programs per SM of two consumers
+# each in 64-row blocks (and 80 registers at launch), alternating runs: T=1024 1051-1055 ->
+# 1027-1028 µs, T=1536 1197-1198 -> 1148-1152, T=512 874-880 -> 860-862.
+CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
+
+
+def _stages(block_m: int, gated: bool) -> int:
+    """Ring slots: as many as shared memory holds, 227 KiB a block on the H100/H200. 160-row
+    blocks: GEMM1 (gated) 4 slots, 225 KB (T=4096 1914-1915 -> 1899-1904 µs against 3); GEMM2 3,
+    with four it would need 232 KiB with its epilogue's scratch. 64-row blocks: 6, 189-205 KB
+    (T=256 831-834 -> 821-823 µs against 4; T=4096 earlier: 3 slots 2840 against 4 2786, 5 2544
+    against 4 2526)."""
+    if block_m <= SMALL_BLOCK_M:
+        return 6
+    return 4 if gated else 3
 
 
 @gluon.constexpr_function
@@ -139,22 +142,18 @@ def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e6
     x_off, x_ok = _x_rows(stride_am, pairs_ptr, nrows, A_ROW_DIV, MR)
     if MR2 > 0:
         x2_off, x2_ok = _x_rows(stride_am, pairs_ptr + MR, nrows - MR, A_ROW_DIV, MR2)
-    W1: gl.constexpr = min(ROWS, 128)
     w_base = (w_ptr + e64 * stride_we).to(gl.pointer_type(gl.int32), bitcast=True)
-    w_off, wk = _w_rows(stride_wn, n0, N, up_offset, 0, GATED, GATE_STRIDE, W1)
-    if ROWS > 128:
-        w2_off, wk2 = _w_rows(stride_wn, n0, N, up_offset, 128, GATED, GATE_STRIDE, ROWS - 128)
+    w_off, wk = _w_rows(stride_wn, n0, N, up_offset, 0, GATED, GATE_STRIDE, 128)
+    w2_off, wk2 = _w_rows(stride_wn, n0, N, up_offset, 128, GATED, GATE_STRIDE, ROWS - 128)
     for i in range(NS):
         s = (g + i) % STAGES
         mbarrier.wait(empty.index(s), (((g + i) // STAGES) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(x_smem.index(s).slice(0, MR), a_ptr + (x_off + i * 128), mask=x_ok)
         if MR2 > 0:
             async_copy.async_copy_global_to_shared(x2_smem.index(s), a_ptr + (x2_off + i * 128), mask=x2_ok)
-        async_copy.async_copy_global_to_shared(w_smem.index(s).slice(0, W1), w_base + (w_off + i * 16),
-                                               mask=i * 16 + wk < K // 8)
-        if ROWS > 128:
-            async_copy.async_copy_global_to_shared(w2_smem.index(s), w_base + (w2_off + i * 16),
-                                                   mask=i * 16 + wk2 < K // 8)
+        async_copy.async_copy_global_to_shared(w_smem.index(s), w_base + (w_off + i * 16), mask=i * 16 + wk < K // 8)
+        async_copy.async_copy_global_to_shared(w2_smem.index(s), w_base + (w2_off + i * 16),
+                                               mask=i * 16 + wk2 < K // 8)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
 
@@ -358,7 +357,7 @@ def _moe_gemm_sm90_ws(
     gl.static_assert(K % 32 == 0)
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 160))  # the rows the MMA widths cover (SMALL_BLOCK_M, BLOCK_M)
-    gl.static_assert((NC == 2) | (NC == 3))  # the partition lists below
+    gl.static_assert(NC == 3)  # the partition list below
     # A block's first 128 rows and the rest (see BLOCK_M).
     X_ROWS: gl.constexpr = min(BLOCK_M, 128)
     ROWS: gl.constexpr = 64 * NC  # a tile's weight rows
@@ -369,50 +368,32 @@ def _moe_gemm_sm90_ws(
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M - 128, 128], gl.bfloat16))
     else:
         x2_smem = x_smem  # never read: no block takes a second MMA
-    # A tile's first 128 weight rows and the rest (powers of two).
+    # A tile's first 128 weight rows and the other 64 (powers of two).
     WS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, min(ROWS, 128), 16], WS)
-    if ROWS > 128:
-        w2_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS - 128, 16], WS)
-    else:
-        w2_smem = w_smem
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 16], WS)
+    w2_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS - 128, 16], WS)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=128)  # every producer thread's copies
         mbarrier.init(empty.index(i), count=NC)  # each consumer warpgroup's MMA
-    if NC == 3:
-        gl.warp_specialize([
-            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 0)),
-            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 1)),
-            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 2)),
-            (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                         num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
-                         GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
-        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 0)),
-            (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                         stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                         stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                         BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 1)),
-            (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                         num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
-                         GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                     stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                     stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                     BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 0)),
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                     stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                     stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                     BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 1)),
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                     stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                     stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
+                     BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 2)),
+        (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                     num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
+                     GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
+    ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 @triton.jit
@@ -470,11 +451,11 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
-    per_sm, nc, maxnreg, consumer_regs, producer_regs, stages = _SMALL if block_m <= SMALL_BLOCK_M else _BIG
-    num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * nc)
-    GEMM_SM90_WS[(min(num_tiles, per_sm * _num_sms(args[0].device)),)](
-        *args, num_tiles, **common, BLOCK_M=block_m, STAGES=stages, DOT_ORDER_OUT=dot_order_out, NC=nc,
-        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, num_stages=1, maxnreg=maxnreg)
+    num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * CONSUMERS)
+    GEMM_SM90_WS[(min(num_tiles, _num_sms(args[0].device)),)](
+        *args, num_tiles, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
+        DOT_ORDER_OUT=dot_order_out, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS,
+        num_warps=4, num_stages=1, maxnreg=_MAXNREG)
 
 
 @functools.lru_cache(maxsize=None)
