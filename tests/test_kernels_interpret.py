@@ -420,8 +420,13 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
 
     assert kernels(3) == ["_moe_gemm_sm90"] * 2
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(True, 8)] * 2  # mma.sync
-    assert kernels(12) == ["_moe_gemm_sm90"] * 2
-    assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(False, 32)] * 2  # wgmma
+    # Above 4 rows per expert: the warp-specialized kernel, or where the weight rows are not 16
+    # bytes apart (but 4: words), wgmma on 32-row blocks.
+    assert kernels(12) == ["_moe_gemm_sm90_ws"] * 2
+    assert gemm_meta("BLOCK_M") == [(64,)] * 2
+    shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
+    assert kernels(12, w13=shifted) == ["_moe_gemm_sm90"] * 2
+    assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(False, 32)] * 2
     assert kernels(200) == ["_moe_gemm_sm90_ws"] * 2  # large T: warp-specialized, on dot-ordered x
     names = [name for name, _ in launched]
     assert names.index("_dot_order_kernel") < names.index("_moe_gemm_sm90_ws")
@@ -454,7 +459,6 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
         "_moe_gemm_sm90_ws", "_sum_slots"]
     assert gemm_meta("GATED", "DOT_ORDER_OUT") == [(False, False), (False, False)]
     # Rows 4 but not 16 bytes apart: words, but no 16-byte copies.
-    shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
     assert kernels(200, w13=shifted) == ["_moe_gemm"] * 2
     assert kernels(40, w13=shifted) == ["_moe_gemm_sm90"] * 2
     # Dot-ordered inputs of 2^31 elements or more (the producer's offsets are int32): not

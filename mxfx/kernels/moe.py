@@ -309,11 +309,12 @@ class GemmConfig(NamedTuple):
     ws: bool = False  # the warp-specialized Hopper kernel (mxfx.kernels.moe_sm90_ws), dot-ordered inputs
 
 
-# Mean rows per expert from which the warp-specialized kernel is taken, and up to which its
-# blocks are 64 rows (see pick_config; 56 rows: about 1 expert in 7 needs a second block).
-# Tuned on gpt-oss-120b; on gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B the pick was also the
-# fastest of the three kernels at 8 to 64 rows, or within 0.6 % (tools/PERF_LOG.md, session 11).
-WS_MIN_ROWS = 8
+# Mean rows per expert up to which moe_sm90 runs mma.sync on 8-row blocks, past which the
+# warp-specialized kernel is taken, and up to which its blocks are 64 rows (see pick_config;
+# 56 rows: about 1 expert in 7 needs a second block). Tuned on gpt-oss-120b; on gpt-oss-20b,
+# Qwen3-30B-A3B and Mixtral-8x7B the pick was also the fastest of the three kernels at 8 to 64
+# rows, or within 0.6 % (tools/PERF_LOG.md, sessions 11 and 13).
+SYNC_MAX_ROWS = 4
 WS_SMALL_ROWS = 56
 
 
@@ -323,16 +324,17 @@ def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
     operand, on Hopper (``hopper``: :func:`hopper_fits`) in :mod:`mxfx.kernels.moe_sm90`,
     where up to 4 rows per expert take 8-row blocks and mma.sync (no shared memory, no
-    barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks). From ``WS_MIN_ROWS`` rows per
-    expert, on Hopper where the call allows it (``warp_specialized``: bf16, weight rows 16
-    bytes apart), the warp-specialized kernel: up to ``WS_SMALL_ROWS`` rows in 64-row blocks,
-    two programs per SM (gpt-oss-120b against 32-row blocks in moe_sm90, alternating runs:
-    T=256 911-917 -> 818-832 µs, T=512 944-1009 -> 867-890, T=1024 1355-1411 -> 1057-1069;
-    against 160-row blocks, T=1792 1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706),
-    past that in 160-row blocks (T=4096 ~2950 -> 2049 against 128-row blocks in the portable
-    kernel). Elsewhere, 32-row blocks, then 128-row blocks with one MMA per K step."""
+    barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks). Past ``SYNC_MAX_ROWS`` rows
+    per expert, on Hopper where the call allows it (``warp_specialized``: bf16, weight rows 16
+    bytes apart), the warp-specialized kernel: up to ``WS_SMALL_ROWS`` rows in 64-row blocks
+    (gpt-oss-120b against 32-row blocks in moe_sm90, alternating runs: T=192 907-908 -> 814-815
+    µs, T=256 911-917 -> 818-832, T=512 944-1009 -> 867-890, T=1024 1355-1411 -> 1057-1069;
+    against 160-row blocks, T=1792 1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706; at
+    T=128, 4 rows, mma.sync 635-637 against 804-806), past that in 160-row blocks (T=4096 ~2950
+    -> 2049 against 128-row blocks in the portable kernel). Elsewhere, 32-row blocks, then
+    128-row blocks with one MMA per K step."""
     rows = num_pairs / num_experts
-    if hopper and warp_specialized and rows >= WS_MIN_ROWS:
+    if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
         block_m = moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M
         return GemmConfig(block_m, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
     if num_pairs <= 16:
@@ -341,7 +343,7 @@ def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
         if hopper:
             return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=2, sm90=True, sync_mma=True)
         return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
-    if rows <= 4:
+    if rows <= SYNC_MAX_ROWS:
         if hopper:
             return GemmConfig(8, 32, 64, 64, 4, swap=True, split=True, sm90=True, sync_mma=True)
         return GemmConfig(16, 32, 64, 64, 4, swap=True, split=True)

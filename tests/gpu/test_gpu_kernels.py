@@ -276,10 +276,11 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
     ],
 )
 def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
-    """On Hopper, bf16 MXFP4 at small T runs :mod:`mxfx.kernels.moe_sm90` (fused and
-    unfused, and A8 through its separate quantize pass), with mma.sync on 8-row blocks up to 4
-    rows per expert and wgmma above (below 8 rows per expert, see the next test); weights not
-    readable as words fall back to the portable kernel. All match emulation."""
+    """On Hopper, bf16 MXFP4 up to 4 rows per expert runs :mod:`mxfx.kernels.moe_sm90` with
+    mma.sync on 8-row blocks (fused and unfused, and A8 through its separate quantize pass);
+    above that, weight rows not 16 bytes apart (so not the warp-specialized kernel of the next
+    test) take its wgmma on 32-row blocks; weights not readable as words fall back to the
+    portable kernel. All match emulation."""
     from mxfx.kernels import moe_sm90
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -287,12 +288,13 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     for replayer in (moe._FUSED, moe._UNFUSED):  # each first call runs the launch code
         monkeypatch.setattr(replayer, "_plans", {})
     calls = _spy(monkeypatch, moe_sm90.GEMM_SM90)
+    kw = {} if sync else {"pad": 4}
     for fn in (moe.fused_moe, _unfused):
         calls.clear()
-        _check(fn, T, E, H, I, k, torch.bfloat16, act)
+        _check(fn, T, E, H, I, k, torch.bfloat16, act, **kw)
         assert [(m["SYNC_MMA"], m["BLOCK_M"]) for m in calls] == [(sync, 8 if sync else 32)] * 2
     calls.clear()
-    _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
+    _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2, **kw)
     assert len(calls) == 2
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
@@ -305,7 +307,8 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
         (300, 8, 2880, 2880, 4, GPT_OSS, 160),  # ~150 rows per expert: 128- and 32-wide MMAs
         (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 160),  # halves layout, K tail 96
         (70, 2, 224, 96, 2, SILU_AND_MUL, 160),  # no limit; K = 224, 96: one step and less
-        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64),  # E = 1: 64 rows, two programs per SM
+        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64),  # E = 1: 40 rows in one block
+        (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # 4.5 rows per expert: 16-wide MMAs
         (600, 4, 2880, 352, 1, GPT_OSS, 160),  # every token on expert 0
         (144, 4, 2880, 352, 1, GPT_OSS, 64),  # all on expert 0 in 64-row blocks: 64-, 64- and 16-wide MMAs
         (130, 8, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # ~32 rows per expert: 32- and 64-wide
@@ -313,7 +316,7 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     ],
 )
 def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, block_m):
-    """On Hopper, bf16 MXFP4 at 8 rows per expert and more runs :mod:`mxfx.kernels.moe_sm90_ws`
+    """On Hopper, bf16 MXFP4 above 4 rows per expert runs :mod:`mxfx.kernels.moe_sm90_ws`
     (64-row blocks up to 56 rows per expert, 160-row blocks past) for both GEMMs of the fused
     backend, on dot-ordered inputs (quantize-dequantized on the way under A8), as does the
     unfused backend, and matches emulation with NaN-poisoned padding around every input.
