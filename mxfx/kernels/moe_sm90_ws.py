@@ -9,8 +9,9 @@ per consumer warpgroup (32 outputs of a gated GEMM), 192 rows with the three con
 blocks of up to :data:`BLOCK_M` activation rows (or :data:`SMALL_BLOCK_M`). The kernel is
 persistent: one program per SM takes tiles ``pid, pid + grid, ...`` and its ring runs on from
 tile to tile, so the producer copies the next tile's first steps while the consumers finish
-the last ones and run the epilogue (one program per tile, with the ring filled afresh each time: T=1024 1216 -> 1180
-µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). The partitions:
+the last ones and run the epilogue (one program per tile, with the ring filled afresh each
+time: T=1024 1216 -> 1180 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). The
+partitions:
 
 - A producer (4 warps) copies each K step's packed weight words and the block's activation
   rows into a ``STAGES``-slot shared-memory ring with cp.async, signalling a per-slot mbarrier
