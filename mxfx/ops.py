@@ -421,11 +421,26 @@ class _NoBackward(torch.autograd.Function):
 
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _MOE_OP = torch.ops.mxfx.moe.default
+# The keys left below Autograd in a call on plain dense CPU or CUDA tensors (no subclass,
+# dispatch mode or functionalization), for which the redispatch would reach :func:`moe`
+# (ADInplaceOrView, a fallthrough for this op, with or without).
+_PLAIN = frozenset(
+    keys.raw_repr()
+    for backend in (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+    for keys in (torch._C.DispatchKeySet(backend),
+                 torch._C.DispatchKeySet(backend).add(torch._C.DispatchKey.ADInplaceOrView))
+)
 
 
 def _moe_autograd(keyset, *args) -> Tensor:
-    out = _MOE_OP.redispatch(keyset & _AFTER_AUTOGRAD, *args)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+    grad = torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+    rest = keyset & _AFTER_AUTOGRAD
+    if not grad and rest.raw_repr() in _PLAIN:
+        # What the redispatch would run, without converting the arguments to the dispatcher's
+        # and back a second time (an eager call's host time 29 -> 25 µs on 2 CPU cores).
+        return moe(*args)
+    out = _MOE_OP.redispatch(rest, *args)
+    if grad:
         return _NoBackward.apply(out, *[a for a in args if isinstance(a, Tensor) and a.requires_grad])
     return out
 

@@ -215,6 +215,35 @@ def test_moe_forward_with_grad_inputs_but_backward_raises():
     assert not ops.moe(*_split(args)[0], backend="emulation").requires_grad
 
 
+def test_moe_plain_call_runs_its_body_without_a_second_dispatch(monkeypatch):
+    """Plain tensors without grad: the op's Autograd kernel runs its body itself (host time at
+    small T). With grad, or under a dispatch mode (fake tensors), it redispatches, so the
+    backward guard and the fake implementation still apply."""
+    import mxfx.ops
+
+    redispatched, real = [], mxfx.ops._MOE_OP
+
+    class Spy:
+        def redispatch(self, keyset, *args):
+            redispatched.append(keyset)
+            return real.redispatch(keyset, *args)
+
+    monkeypatch.setattr(mxfx.ops, "_MOE_OP", Spy())
+    args = _moe_args(bias=True)
+    pos, kw = _split(args)
+    ref = ops.moe(*pos, **kw, backend="emulation")
+    assert not redispatched
+    args["w13"].requires_grad_(True)
+    out = ops.moe(*pos, **kw, backend="emulation")
+    assert len(redispatched) == 1 and out.requires_grad
+    torch.testing.assert_close(out.detach(), ref, rtol=0, atol=0)
+    args["w13"].requires_grad_(False)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in pos]
+        out = ops.moe(*fake, **kw, backend="emulation")
+    assert len(redispatched) == 2 and out.shape == ref.shape
+
+
 def test_gated_activation_matches_formula():
     x = torch.randn(6, 40, generator=_gen(7), dtype=torch.float64) * 6
     for name, act in PRESETS.items():
