@@ -167,6 +167,26 @@ def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkey
     assert len(plan.regions) == (4 if aq != "none" else 3) + 4
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T):
+    """With mma.sync (Hopper patched in), one token's pairs are each their own block: both
+    GEMMs read the ids themselves (for the blocks' experts, the pairs and the blocks' rows),
+    and no routing kernel runs. Two tokens are grouped by the routing kernel."""
+    from mxfx.kernels import moe_sm90
+
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    inputs = _inputs(T, 0)
+    moe._fused_moe(*inputs, GPT_OSS, ActivationQuant())
+    names = [name for name, _, _ in logged]
+    ids = inputs[2].data_ptr()
+    if T == 1:
+        assert names == ["_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
+        assert [call.count(ids) for _, _, call in logged[:2]] == [3, 3]
+    else:
+        assert names == ["_place_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
+        assert all(call.count(ids) == 0 for _, _, call in logged[1:3])
+
+
 def test_replay_keys_on_shape_and_alignment(logged):
     rep = Replayer(moe._fused_moe)
     static = (GPT_OSS, ActivationQuant())

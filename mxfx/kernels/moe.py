@@ -39,7 +39,7 @@ from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_sm90, moe_sm90_ws, mx
 from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 from mxfx.kernels.replay import Replayer
-from mxfx.kernels.routing import Routing, align
+from mxfx.kernels.routing import Routing, align, per_pair
 
 
 @triton.jit
@@ -410,8 +410,13 @@ def _gemm(
         return
     if cfg.sm90 and quantized:
         block_n = 32 if gated else 64
+        # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
+        # no overflow checks).
+        per_pair = dict(PER_PAIR_E=routing.per_pair_experts)
+        if routing.per_pair_experts:
+            per_pair.update(debug=True, sanitize_overflow=False)
         moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
-            *args, **common, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
+            *args, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
             SYNC_MMA=cfg.sync_mma, num_warps=4, num_stages=1)
         if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
             mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
@@ -452,6 +457,15 @@ def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tupl
     T, H = x.shape
     inter = weights.w2.shape[2] * (2 if weights.quantized else 1)
     return T, H, topk_ids.shape[1], inter
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int, cfg: GemmConfig) -> Routing:
+    """The pairs grouped by expert (:mod:`mxfx.kernels.routing`); a single token's each in its
+    own block, without a routing kernel, where the GEMMs run mma.sync (elsewhere the ids'
+    device-side check would be a call inside the kernel, which serializes wgmma)."""
+    if topk_ids.shape[0] == 1 and cfg.sync_mma:
+        return per_pair(topk_ids, num_experts, cfg.block_m)
+    return align(topk_ids, num_experts, cfg.block_m)
 
 
 def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=None) -> torch.Tensor:
@@ -501,7 +515,7 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     native = aq.fmt != "none" and weights.quantized and mx.native_scaled_mma(x.device)
     hopper = hopper_fits(x, weights) and not native
     cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
-    routing = align(topk_ids, weights.num_experts, cfg.block_m)
+    routing = _route(topk_ids, weights.num_experts, cfg)
     if cfg.ws:
         # Both GEMM inputs in the dot's K order (quantize-dequantized on the way under
         # activation quantization): x here, the intermediate as GEMM1 stores it or, under
@@ -563,7 +577,7 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     hopper = hopper_fits(x, weights)
     cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
-    routing = align(topk_ids, weights.num_experts, cfg.block_m)
+    routing = _route(topk_ids, weights.num_experts, cfg)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
     # The warp-specialized kernel reads both GEMM inputs in the dot's K order.
     _gemm(moe_sm90_ws.dot_order(x) if cfg.ws else x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing,

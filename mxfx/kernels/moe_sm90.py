@@ -254,19 +254,24 @@ def _dot_position(n):
 def _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
               out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
               GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-              ROUTE_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+              ROUTE_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
+              PER_PAIR: gl.constexpr = False):
     """Bias, gated activation, routing weight and the store of the ``[ROWS, BLOCK_M]``
     accumulator, in a plain layout: ``[BLOCK_N, BLOCK_M]``, a warp's lanes along N.
     ``DOT_ORDER_OUT``: columns stored at :func:`_dot_position` and the row's padding up to a
     multiple of 128 zeroed, the layout
-    :func:`mxfx.kernels.moe_sm90_ws._moe_gemm_sm90_ws` reads."""
+    :func:`mxfx.kernels.moe_sm90_ws._moe_gemm_sm90_ws` reads. ``PER_PAIR``: block ``blk`` is
+    pair ``blk`` alone (``mxfx.kernels.routing.per_pair``)."""
     BLOCK_N: gl.constexpr = ROWS // 2 if GATED else ROWS
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, ROWS // 16], [0, 1])
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
     n_ok = n < N
     mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
     m_ok = mo < nrows
-    pairs = gl.load(sorted_ptr + blk * BLOCK_M + mo, mask=m_ok, other=0)
+    if PER_PAIR:
+        pairs = blk + mo
+    else:
+        pairs = gl.load(sorted_ptr + blk * BLOCK_M + mo, mask=m_ok, other=0)
     b_base = bias_ptr + e64 * stride_be
     if GATED:
         # Accumulator row 16q + 8u + p is column 8q + p of the gate (u = 0) or up (u = 1).
@@ -330,6 +335,7 @@ def _moe_gemm_sm90(
     BLOCK_K: gl.constexpr,
     SPLIT_K: gl.constexpr,
     SYNC_MMA: gl.constexpr = False,
+    PER_PAIR_E: gl.constexpr = 0,
 ):
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert(K % 32 == 0)
@@ -359,10 +365,15 @@ def _moe_gemm_sm90(
     pid = pid // SPLIT_K
     num_n = gl.cdiv(N, BLOCK_N)
     blk = pid // num_n
-    expert = gl.load(block_expert_ptr + blk)
+    if PER_PAIR_E:  # routing.per_pair: block blk is pair blk, the ids unchecked so far
+        expert = gl.load(block_expert_ptr + blk)  # compared as loaded, any integer dtype
+        gl.device_assert(expert < PER_PAIR_E, "topk_ids: expert id >= E")
+        nrows = 1
+    else:
+        expert = gl.load(block_expert_ptr + blk)
+        nrows = gl.load(block_rows_ptr + blk)
     if expert < 0:
         return
-    nrows = gl.load(block_rows_ptr + blk)
     n0 = (pid % num_n) * BLOCK_N
     e64 = expert.to(gl.int64)
     w_rows, s_rows, wc, sg, tables = _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
@@ -370,7 +381,10 @@ def _moe_gemm_sm90(
 
     # The block's activation rows (rows past block_rows are never stored).
     m = gl.arange(0, BLOCK_M, layout=X1)
-    pairs_x = gl.load(sorted_ptr + blk * BLOCK_M + m, mask=m < nrows, other=0)
+    if PER_PAIR_E:
+        pairs_x = blk + m
+    else:
+        pairs_x = gl.load(sorted_ptr + blk * BLOCK_M + m, mask=m < nrows, other=0)
     x_rows = gl.expand_dims(_x3(a_ptr + (pairs_x // A_ROW_DIV).to(gl.int64) * stride_am), 3)
     x_rows = gl.expand_dims(x_rows, 4)
     xi = gl.arange(0, NI, layout=gl.SliceLayout(0, X2))
@@ -429,7 +443,7 @@ def _moe_gemm_sm90(
                                     j + 2 >= NFULL)
     _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-              ROUTE_WEIGHT, BLOCK_M, 64, False)
+              ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0)
 
 
 GEMM_SM90 = Launcher(_moe_gemm_sm90)

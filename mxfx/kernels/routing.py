@@ -17,6 +17,9 @@ on the host without reading the ids back: no host synchronisation, CUDA-graph ca
 An id >= E fails a device-side assert (the placement kernel is launched in Triton's debug
 mode for it); the kernels use no scan, only reductions, gathers and histograms, which keeps
 them at a few µs on the H200 for any T.
+
+For a single token, :func:`per_pair` makes each pair its own block with no kernel at all:
+the GEMMs then read the ids themselves.
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ class Routing(NamedTuple):
     block_rows: torch.Tensor  # int32 [max_blocks]
     block_m: int
     num_pairs: int  # T*k
+    # Each pair its own block (see per_pair): the three tensors are the flat ids, and E is
+    # what the GEMMs check them against.
+    per_pair_experts: int = 0
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -135,6 +141,15 @@ def _place_kernel(
 
 _COUNT = Launcher(_count_kernel)
 _PLACE = Launcher(_place_kernel)
+
+
+def per_pair(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """Block ``b`` is pair ``b`` alone, of expert ``topk_ids.flatten()[b]`` (none if < 0), with
+    no kernel of its own: the GEMMs read the ids (and assert each is < E on the device). For a
+    single token, whose k experts are distinct, that is the grouping :func:`align` computes,
+    minus its launch (H200, gpt-oss-120b T=1 in a CUDA graph: 39.1 -> 36.4 µs)."""
+    ids = topk_ids.reshape(-1)
+    return Routing(ids, ids, ids, block_m, ids.numel(), num_experts)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optional[int] = None) -> Routing:
