@@ -365,15 +365,12 @@ def _moe_gemm_sm90(
     pid = pid // SPLIT_K
     num_n = gl.cdiv(N, BLOCK_N)
     blk = pid // num_n
-    if PER_PAIR_E:  # routing.per_pair: block blk is pair blk, the ids unchecked so far
-        expert = gl.load(block_expert_ptr + blk)  # compared as loaded, any integer dtype
+    expert = gl.load(block_expert_ptr + blk)
+    if PER_PAIR_E:  # routing.per_pair: block blk is pair blk, its id (any integer dtype) unchecked
         gl.device_assert(expert < PER_PAIR_E, "topk_ids: expert id >= E")
-        nrows = 1
-    else:
-        expert = gl.load(block_expert_ptr + blk)
-        nrows = gl.load(block_rows_ptr + blk)
     if expert < 0:
         return
+    nrows = 1 if PER_PAIR_E else gl.load(block_rows_ptr + blk)
     n0 = (pid % num_n) * BLOCK_N
     e64 = expert.to(gl.int64)
     w_rows, s_rows, wc, sg, tables = _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
