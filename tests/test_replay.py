@@ -171,20 +171,39 @@ def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkey
 def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T):
     """With mma.sync (Hopper patched in), one token's pairs are each their own block: both
     GEMMs read the ids themselves (for the blocks' experts, the pairs and the blocks' rows),
-    and no routing kernel runs. Two tokens are grouped by the routing kernel."""
+    no routing kernel runs, and GEMM2 sums the slots into the output at counters that GEMM1
+    zeroes, with no ``_sum_slots`` launch. Two tokens of 8 experts (16 would be per pair, see
+    the next test) are grouped by the routing kernel."""
     from mxfx.kernels import moe_sm90
 
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
     inputs = _inputs(T, 0)
-    moe._fused_moe(*inputs, GPT_OSS, ActivationQuant())
+    out = moe._fused_moe(*inputs, GPT_OSS, ActivationQuant())
     names = [name for name, _, _ in logged]
     ids = inputs[2].data_ptr()
     if T == 1:
-        assert names == ["_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
-        assert [call.count(ids) for _, _, call in logged[:2]] == [3, 3]
+        assert names == ["_moe_gemm_sm90", "_moe_gemm_sm90"]
+        (_, _, gemm1), (_, _, gemm2) = logged
+        assert gemm1.count(ids) == gemm2.count(ids) == 3
+        # The last runtime arguments: the counters, how many, the sum's output and its row stride.
+        assert gemm1[-4] == gemm2[-4] and gemm1[-3] == gemm2[-3] == 1  # T * cdiv(H, 64)
+        assert gemm2[-2:] == [out.data_ptr(), H] and gemm1[-2:] != gemm2[-2:]
     else:
         assert names == ["_place_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
         assert all(call.count(ids) == 0 for _, _, call in logged[1:3])
+
+
+@pytest.mark.parametrize("T,E,k,per_pair", [(1, 8, 8, True), (2, 128, 8, True), (3, 128, 8, False),
+                                            (4, 128, 4, True), (5, 128, 4, False), (2, 64, 4, True)])
+def test_few_pairs_against_the_experts_go_per_pair(monkeypatch, T, E, k, per_pair):
+    """Per-pair blocks where the GEMMs run mma.sync and there is one token or the pairs are at
+    most an eighth of the experts (few repeats); grouped blocks elsewhere."""
+    monkeypatch.setattr(moe, "align", lambda ids, E, block_m: "grouped")
+    ids = torch.zeros(T, k, dtype=torch.int32)
+    for sync in (True, False):
+        cfg = moe.GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, sm90=True, sync_mma=sync)
+        routing = moe._route(ids, E, cfg)
+        assert routing == "grouped" if not (per_pair and sync) else routing.per_pair_experts == E
 
 
 def test_replay_keys_on_shape_and_alignment(logged):

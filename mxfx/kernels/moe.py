@@ -18,8 +18,9 @@ finishes with one of the epilogues:
   system busy) S partial sums ``[S, T*k, H]``.
 
 The sum over the k slots (and the S partials) is a separate pass that adds each token's slots
-in slot order: deterministic (no atomics) and one rounding to x.dtype at the end, like the
-emulation backend.
+in slot order: deterministic (no atomics on values) and one rounding to x.dtype at the end, like
+the emulation backend. On per-pair blocks (few pairs, Hopper; see :func:`_route`) the last
+GEMM2 program of each token and column tile adds them in the same order instead.
 
 On a Hopper GPU, MXFP4 weights with bfloat16 activations at small and mid T go to
 :mod:`mxfx.kernels.moe_sm90` instead (same arguments and epilogues; under activation
@@ -371,11 +372,15 @@ def _gemm(
     route_weights: Optional[torch.Tensor] = None,
     aq: ActivationQuant = ActivationQuant(),
     a_mx: Optional[tuple[str, torch.Tensor]] = None,
+    counters: Optional[torch.Tensor] = None,
+    k_sum: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
 ) -> None:
     """One grouped GEMM launch. ``a_mx``: ``a`` holds MX elements (:func:`mx.quantize`) in
     this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only). The
     warp-specialized GEMM1 stores the intermediate in dot order, padded, for GEMM2; under ``aq``
-    in natural order, for the caller to quantize-dequantize into dot order."""
+    in natural order, for the caller to quantize-dequantize into dot order. On per-pair blocks
+    (:func:`_k_sum_counters`): GEMM1 zeroes ``counters``; GEMM2, given ``k_sum`` (the counters,
+    ``[T, H]`` output, k), also sums the slots into that output."""
     quantized = w_scale is not None
     s = w_scale if quantized else w  # unused pointer when float
     b = bias if bias is not None else w
@@ -412,11 +417,19 @@ def _gemm(
         block_n = 32 if gated else 64
         # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
         # no overflow checks).
-        per_pair = dict(PER_PAIR_E=routing.per_pair_experts)
+        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1)
         if routing.per_pair_experts:
             per_pair.update(debug=True, sanitize_overflow=False)
+        count = (w, 0, w, 0)  # unused placeholders unless counting
+        if counters is not None:
+            count = (counters, counters.numel(), w, 0)
+            per_pair.update(COUNTERS=1)
+        if k_sum is not None:
+            cnt, summed, topk = k_sum
+            count = (cnt, cnt.numel(), summed, summed.stride(0))
+            per_pair.update(COUNTERS=2, TOPK=topk)
         moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
-            *args, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
+            *args, *count, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
             SYNC_MMA=cfg.sync_mma, num_warps=4, num_stages=1)
         if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
             mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
@@ -460,22 +473,39 @@ def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tupl
 
 
 def _route(topk_ids: torch.Tensor, num_experts: int, cfg: GemmConfig) -> Routing:
-    """The pairs grouped by expert (:mod:`mxfx.kernels.routing`); a single token's each in its
-    own block, without a routing kernel, where the GEMMs run mma.sync (elsewhere the ids'
-    device-side check would be a call inside the kernel, which serializes wgmma)."""
-    if topk_ids.shape[0] == 1 and cfg.sync_mma:
+    """The pairs grouped by expert (:mod:`mxfx.kernels.routing`); each pair in its own block,
+    without a routing kernel, where the GEMMs run mma.sync (elsewhere the ids' device-side check
+    would be a call inside the kernel, which serializes wgmma) and either there is one token
+    (whose experts are distinct) or the pairs are at most an eighth of the experts, so that few
+    experts repeat (a repeated expert's weights are read and unpacked once per pair). H200,
+    gpt-oss-120b in a CUDA graph, alternating processes: T=2 59.1-61.7 -> 55.2 µs, T=3
+    78.8-81.9 -> 79.2-79.3, T=4 94.4-94.8 -> 93.1-93.2."""
+    if cfg.sync_mma and (topk_ids.shape[0] == 1 or 8 * topk_ids.numel() <= num_experts):
         return per_pair(topk_ids, num_experts, cfg.block_m)
     return align(topk_ids, num_experts, cfg.block_m)
 
 
-def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=None) -> torch.Tensor:
-    T, H, _, inter_size = _sizes(x, topk_ids, weights)
+def _k_sum_counters(routing: Routing, T: int, H: int, device: torch.device) -> Optional[torch.Tensor]:
+    """On per-pair blocks the last GEMM2 program of each token and column tile sums the token's
+    slots (``moe_sm90._sum_when_last``) instead of a ``_sum_slots`` launch, counting arrivals
+    here; GEMM1 zeroes the counters. None elsewhere."""
+    if not routing.per_pair_experts:
+        return None
+    return torch.empty(T * cdiv(H, moe_sm90.BLOCK_N2), dtype=torch.int32, device=device)
+
+
+def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=None,
+                   counters=None) -> torch.Tensor:
+    T, H, k, inter_size = _sizes(x, topk_ids, weights)
     num_pairs = routing.num_pairs
     y = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, y.stride(0), H,
           inter_size, cfg, block_n=cfg.block_n2, split_k=cfg.split_k2,
-          route_weights=topk_weights.reshape(-1), a_mx=a_mx)
-    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+          route_weights=topk_weights.reshape(-1), a_mx=a_mx,
+          k_sum=(counters, out, k) if counters is not None else None)
+    if counters is not None:
+        return out
     block_h = min(1024, next_power_of_2(H))
     _SUM_SLOTS[(T, cdiv(H, block_h))](
         y, topk_ids.reshape(-1), out, H, weights.num_experts, y.stride(0), out.stride(0),
@@ -496,7 +526,8 @@ def fused_moe(
 
     Shapes as :func:`mxfx.backends.emulation.moe`; returns ``[T, H]`` in ``x.dtype``.
     Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[S, T*k, H]`` float32 (S =
-    ``split_k2`` of :func:`pick_config`), and under activation quantization the
+    ``split_k2`` of :func:`pick_config`), on per-pair blocks ``T * H/64`` int32 counters, and
+    under activation quantization the
     quantize-dequantized ``x``; in the warp-specialized kernel ``x`` dot-ordered and both it
     and the intermediate padded to a multiple of 128 columns (under activation quantization
     the intermediate twice: as GEMM1 stores it, and dot-ordered). Replayed from a launch plan
@@ -540,9 +571,10 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # Activation quantization, as the emulation does it: x once here (a [T, H] temporary),
     # the intermediate in GEMM1's epilogue.
     x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
+    counters = _k_sum_counters(routing, T, H, x.device)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
-          H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
-    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
+          H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters)
+    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters)
 
 
 _FUSED = Replayer(_fused_moe)
@@ -579,13 +611,14 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
     cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
     routing = _route(topk_ids, weights.num_experts, cfg)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
+    counters = _k_sum_counters(routing, T, H, x.device)
     # The warp-specialized kernel reads both GEMM inputs in the dot's K order.
     _gemm(moe_sm90_ws.dot_order(x) if cfg.ws else x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing,
-          pre, 0, 2 * inter_size, H, cfg, block_n=2 * cfg.block_n1)
+          pre, 0, 2 * inter_size, H, cfg, block_n=2 * cfg.block_n1, counters=counters)
     inter = gated_activation(pre, act)
     if cfg.ws:
         inter = moe_sm90_ws.dot_order(inter)
-    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
+    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters)
 
 
 _UNFUSED = Replayer(_unfused_moe)

@@ -314,6 +314,33 @@ def _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, str
 
 
 @gluon.jit
+def _sum_when_last(cnt_ptr, ids_ptr, y_ptr, stride_ys, stride_ym, sum_ptr, stride_sum, t, j, N,
+                   E: gl.constexpr, TOPK: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr):
+    """GEMM2 on per-pair blocks: after this program's partial of token ``t``'s column tile ``j``
+    is stored (or skipped, for an unrouted slot), counts it at ``cnt_ptr[t, j]``; the last of the
+    tile's ``TOPK * SPLIT_K`` programs sums their partials into ``sum_ptr`` in the order
+    ``moe._sum_slots`` does (slots, then splits; unrouted slots skipped), so the result is the
+    same to the bit, one launch fewer."""
+    # The barrier orders every thread's stores before the one thread's release (and, after
+    # the atomic, its acquire before every thread's loads).
+    gl.thread_barrier()
+    arrived = gl.atomic_add(cnt_ptr + t * gl.cdiv(N, BLOCK_N) + j, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOPK * SPLIT_K - 1:
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=L)
+        acc = gl.zeros([BLOCK_N], gl.float32, layout=L)
+        for slot in gl.static_range(TOPK):
+            pair = t * TOPK + slot
+            e = gl.load(ids_ptr + pair)
+            routed = (e >= 0) & (e < E)
+            for ks in gl.static_range(SPLIT_K):
+                # .cg: the partials were written by other SMs, read them from L2.
+                acc += gl.load(y_ptr + ks * stride_ys + pair * stride_ym + n, mask=(n < N) & routed, other=0.0,
+                               cache_modifier=".cg")
+        gl.store(sum_ptr + t * stride_sum + n, acc.to(sum_ptr.dtype.element_ty), mask=n < N)
+
+
+@gluon.jit
 def _moe_gemm_sm90(
     a_ptr, stride_am, stride_ak,
     w_ptr, stride_we, stride_wn, stride_wk,
@@ -324,6 +351,7 @@ def _moe_gemm_sm90(
     out_ptr, stride_os, stride_om, stride_on,
     N, up_offset,
     alpha, beta, limit,
+    cnt_ptr, num_cnt, sum_ptr, stride_sum,
     K: gl.constexpr,
     A_ROW_DIV: gl.constexpr,
     GATED: gl.constexpr,
@@ -336,6 +364,8 @@ def _moe_gemm_sm90(
     SPLIT_K: gl.constexpr,
     SYNC_MMA: gl.constexpr = False,
     PER_PAIR_E: gl.constexpr = 0,
+    COUNTERS: gl.constexpr = 0,
+    TOPK: gl.constexpr = 1,
 ):
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert(K % 32 == 0)
@@ -361,6 +391,9 @@ def _moe_gemm_sm90(
     K_SPLIT: gl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K
 
     pid = gl.program_id(0)
+    if COUNTERS == 1:  # GEMM1 zeroes the k-sum's counters for GEMM2 (see _sum_when_last)
+        for i in range(pid, num_cnt, gl.num_programs(0)):
+            gl.store(cnt_ptr + i, 0)
     ks = pid % SPLIT_K
     pid = pid // SPLIT_K
     num_n = gl.cdiv(N, BLOCK_N)
@@ -369,6 +402,9 @@ def _moe_gemm_sm90(
     if PER_PAIR_E:  # routing.per_pair: block blk is pair blk, its id (any integer dtype) unchecked
         gl.device_assert(expert < PER_PAIR_E, "topk_ids: expert id >= E")
     if expert < 0:
+        if COUNTERS == 2:
+            _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
+                           pid % num_n, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)
         return
     nrows = 1 if PER_PAIR_E else gl.load(block_rows_ptr + blk)
     n0 = (pid % num_n) * BLOCK_N
@@ -441,10 +477,14 @@ def _moe_gemm_sm90(
     _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0)
+    if COUNTERS == 2:
+        _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
+                       n0 // BLOCK_N, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)
 
 
 GEMM_SM90 = Launcher(_moe_gemm_sm90)
 BLOCK_K = 128
+BLOCK_N2 = 64  # the kernel's output columns per program without a gated epilogue (GEMM2)
 
 
 @functools.lru_cache(maxsize=None)

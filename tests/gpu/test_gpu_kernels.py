@@ -346,6 +346,50 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
         assert not calls
 
 
+@pytest.mark.parametrize("T,case", [(1, "routed"), (1, "none routed"), (3, "routed"), (4, "repeated")])
+@pytest.mark.parametrize("fn", [moe.fused_moe, _unfused], ids=["fused", "unfused"])
+def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
+    """On Hopper, few pairs against the experts (one token; here up to 16 pairs of 128
+    experts) take per-pair blocks: no routing kernel, and GEMM2's last program of each token
+    and column tile sums the slots, with no ``_sum_slots`` launch. The output equals, to the
+    bit, the grouped path's (routing kernel and ``_sum_slots``), with unrouted slots (T=3: one
+    of token 1's, all of token 2's; or the single token's all) and an expert repeated across
+    tokens; and a CUDA graph of it replays on new ids."""
+    from mxfx.kernels import moe_sm90, routing
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    E, H, I, k = 128, 352, 160, 4
+    for replayer in (moe._FUSED, moe._UNFUSED):
+        monkeypatch.setattr(replayer, "_plans", {})
+    W = _weights(E, H, I, torch.bfloat16)
+    x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=T)
+    if case == "none routed":
+        ids.fill_(-1)
+    if case == "repeated":
+        ids[3] = ids[0].flip(0)
+    gemms, sums = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe._SUM_SLOTS)
+    out = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    assert [(m["PER_PAIR_E"], m["COUNTERS"]) for m in gemms] == [(E, 1), (E, 2)] and not sums
+    ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    assert not out.isnan().any() and _rel_err(out, ref) <= 5e-3
+    if case == "none routed":
+        assert not out.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    ids.copy_(ids.roll(1, 0) if T > 1 else ids.flip(1))
+    graph.replay()
+    again = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    monkeypatch.setattr(moe, "_route", lambda ids, E, cfg: routing.align(ids, E, cfg.block_m))
+    for replayer in (moe._FUSED, moe._UNFUSED):  # recorded launches would skip _route
+        monkeypatch.setattr(replayer, "_plans", {})
+    gemms.clear()
+    grouped = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    assert [m["PER_PAIR_E"] for m in gemms] == [0, 0] and len(sums) == 1
+    assert torch.equal(replayed, again) and torch.equal(again, grouped)
+
+
 @pytest.mark.parametrize("ids", [[[0, 1], [2, 4]], [[0, 4]]])
 def test_expert_id_beyond_E_is_a_device_side_assert(ids):
     """No host synchronisation to check the ids: the routing kernel asserts on the device (for
