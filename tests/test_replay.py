@@ -206,6 +206,15 @@ def test_few_pairs_against_the_experts_go_per_pair(monkeypatch, T, E, k, per_pai
         assert routing == "grouped" if not (per_pair and sync) else routing.per_pair_experts == E
 
 
+@pytest.mark.parametrize("pairs,E,H,split", [(4, 128, 2880, 4), (2, 8, 4096, 4), (8, 128, 2880, 1),
+                                              (8, 128, 2048, 1), (4, 128, 6144, 1), (16, 8, 4096, 1)])
+def test_gemm2_split_on_hopper_follows_its_grid(pairs, E, H, split):
+    """A few pairs on Hopper: GEMM2's K range in four where its grid (experts touched × H/64)
+    is at most 192 programs, else whole; the portable kernel keeps its two."""
+    assert moe.pick_config(pairs, E, H, hopper=True).split_k2 == split
+    assert moe.pick_config(pairs, E, H).split_k2 == 2
+
+
 def test_replay_keys_on_shape_and_alignment(logged):
     rep = Replayer(moe._fused_moe)
     static = (GPT_OSS, ActivationQuant())

@@ -82,7 +82,7 @@ def main() -> None:
             except Exception as e:  # a config that does not compile: report, go on
                 print(f"T={T} {name} {cfg}: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            label = f"{name}/{aq.fmt} {tuple(moe.pick_config(T * SHAPE.top_k, SHAPE.num_experts, moe.hopper_fits(sets[0][0], W)))}"
+            label = f"{name}/{aq.fmt} {tuple(moe.pick_config(T * SHAPE.top_k, SHAPE.num_experts, SHAPE.hidden_size, moe.hopper_fits(sets[0][0], W)))}"
             rows.append((T, label, us, roof))
             print(f"T={T:5d} {label:60s} {us:9.1f} us  roofline {roof:7.1f} us  {100 * roof / us:5.1f} %", flush=True)
         moe.pick_config, mx.ptx_unpack = base_pick, base_ptx

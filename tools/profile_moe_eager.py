@@ -76,7 +76,7 @@ def pieces(T: int, E: int, H: int, I: int, k: int, dev: str) -> dict:
     W, x, tw, ids = problem(T, E, H, I, k, dev)
     out = {"fused_moe": lambda: moe.fused_moe(x, tw, ids, W, ACT, ActivationQuant())}
     if dev == "cuda":
-        cfg = moe.pick_config(T * k, E, moe.hopper_fits(x, W))
+        cfg = moe.pick_config(T * k, E, x.shape[1], moe.hopper_fits(x, W))
         r = routing.align(ids, E, cfg.block_m)
         inter = torch.empty(T * k, I, dtype=x.dtype, device=dev)
         out = {

@@ -319,7 +319,7 @@ SYNC_MAX_ROWS = 4
 WS_SMALL_ROWS = 56
 
 
-def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
+def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = False,
                 warp_specialized: bool = False) -> GemmConfig:
     """Tile shapes from the mean rows per expert, measured on the H200 (tools/PERF_LOG.md):
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
@@ -333,16 +333,22 @@ def pick_config(num_pairs: int, num_experts: int, hopper: bool = False,
     against 160-row blocks, T=1792 1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706; at
     T=128, 4 rows, mma.sync 635-637 against 804-806), past that in 160-row blocks (T=4096 ~2950
     -> 2049 against 128-row blocks in the portable kernel). Elsewhere, 32-row blocks, then
-    128-row blocks with one MMA per K step."""
+    128-row blocks with one MMA per K step. ``hidden``: H, which sets GEMM2's grid."""
     rows = num_pairs / num_experts
     if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
         block_m = moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M
         return GemmConfig(block_m, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
     if num_pairs <= 16:
-        # A few experts: GEMM2's grid (a few experts × H/64 columns) is smaller than two
-        # programs per SM, so its K range is split in two (T=1: 45.3 -> 42.7 µs).
+        # A few experts: GEMM2's grid (a few experts × H/64 columns) is small, so its K range
+        # is split (portable kernel, T=1: 45.3 -> 42.7 µs in two). On Hopper, in four where the
+        # grid is at most 192 programs, about 1.5 per SM, else not at all; H200, graph µs, split
+        # 1 / 2 / 4: gpt-oss-120b T=1 (180 programs) 34.5-35.9 / 35.3-35.9 / 33.8-33.9, T=2
+        # (360) 53.5 / 55.2 / 55.2; Mixtral-8x7B T=1 (128) 97.7 / 118.2 / 79.7; Qwen3-30B-A3B
+        # T=1 (256) 17.5 / 18.3 / 19.2; MiniMax-M3 T=1 (384) 54.6 / 57.3 / 57.1.
         if hopper:
-            return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=2, sm90=True, sync_mma=True)
+            grid2 = min(num_pairs, num_experts) * cdiv(hidden, moe_sm90.BLOCK_N2)
+            return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=4 if grid2 <= 192 else 1, sm90=True,
+                              sync_mma=True)
         return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
     if rows <= SYNC_MAX_ROWS:
         if hopper:
@@ -545,7 +551,8 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     native = aq.fmt != "none" and weights.quantized and mx.native_scaled_mma(x.device)
     hopper = hopper_fits(x, weights) and not native
-    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
+    cfg = pick_config(T * k, weights.num_experts, H, hopper,
+                      hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
     routing = _route(topk_ids, weights.num_experts, cfg)
     if cfg.ws:
         # Both GEMM inputs in the dot's K order (quantize-dequantized on the way under
@@ -608,7 +615,8 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
     if T == 0:
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     hopper = hopper_fits(x, weights)
-    cfg = pick_config(T * k, weights.num_experts, hopper, hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
+    cfg = pick_config(T * k, weights.num_experts, H, hopper,
+                      hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
     routing = _route(topk_ids, weights.num_experts, cfg)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
     counters = _k_sum_counters(routing, T, H, x.device)

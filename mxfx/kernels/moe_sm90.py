@@ -24,7 +24,7 @@ quantizes the intermediate afterwards). What differs is how the weights reach th
 
 Loads are issued one K step ahead (register double buffering, unrolled by two so that the
 buffers rotate without copies); rows past N are clamped and never stored, so only the K tail
-(or, with split K, every step) is masked.
+(with split K, the steps past those the shortest split has whole) is masked.
 """
 from __future__ import annotations
 
@@ -448,7 +448,9 @@ def _moe_gemm_sm90(
     else:
         k_lo = ks * K_SPLIT
         k_end = gl.minimum(k_lo + K_SPLIT, K)
-        NFULL: gl.constexpr = 0  # every step masked: the last split may end anywhere
+        # Steps every split has whole (the last split is the shortest, and may be empty): the
+        # loop runs on those, unmasked, and fully unrolling a long K range costs i-cache.
+        NFULL: gl.constexpr = max(K - (SPLIT_K - 1) * K_SPLIT, 0) // BLOCK_K
         NS: gl.constexpr = K_SPLIT // BLOCK_K
     # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
     ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
