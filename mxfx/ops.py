@@ -191,8 +191,8 @@ def check_moe(
 def check_expert_ids(topk_ids: Tensor, num_experts: int) -> None:
     """Ids >= E are an error. On CPU (or with ``MXFX_DEBUG=1``) this raises here. On an
     accelerator the backend checks them without adding a host synchronisation: the Triton
-    backends with a device-side assert in their routing kernel, the emulation (which
-    synchronises anyway) by raising."""
+    backends with a device-side assert in their routing kernel (or, where each pair is its
+    own block, in the first GEMM), the emulation (which synchronises anyway) by raising."""
     if topk_ids.numel() and (topk_ids.device.type == "cpu" or os.environ.get("MXFX_DEBUG") == "1"):
         top = int(topk_ids.max())
         if top >= num_experts:
