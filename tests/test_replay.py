@@ -172,7 +172,7 @@ def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T
     """With mma.sync (Hopper patched in), one token's pairs are each their own block: both
     GEMMs read the ids themselves (for the blocks' experts, the pairs and the blocks' rows),
     no routing kernel runs, and GEMM2 sums the slots into the output at counters that GEMM1
-    zeroes, with no ``_sum_slots`` launch. Two tokens of 8 experts (16 would be per pair, see
+    zeroes, with no ``_sum_slots`` launch. Two tokens of 8 experts (of 32 or more they would be per pair, see
     the next test) are grouped by the routing kernel."""
     from mxfx.kernels import moe_sm90
 
