@@ -17,6 +17,10 @@ partitions:
   rows into a ``STAGES``-slot shared-memory ring with cp.async, signalling a per-slot mbarrier
   as the copies land; it does nothing else, so the copies run several steps ahead. It keeps
   int32 offsets rather than pointers, for registers (:func:`fits` bounds the inputs).
+- The copies carry ``.L2::128B`` (:mod:`mxfx.kernels.ptx_hints`): a step copies 64 bytes of
+  each weight row, half an L2 line, and with the hint the miss fetches the whole line, so the
+  next step's half is an L2 hit (H200, graph µs, gpt-oss-120b: T=512 871-875 -> 837-844,
+  T=2048 1330-1332 -> 1306-1307).
 - Consumers (a warpgroup each, 64 of the weight rows) read their words from the ring,
   unpack them and multiply by wgmma against the activation slot, each freeing the slot once
   its MMAs have retired. A consumer unpacks the second half of a step while the MMA of the
@@ -44,8 +48,6 @@ intermediate in natural order.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -56,8 +58,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from mxfx.backends.base import ActivationQuant, MoEWeights
-from mxfx.kernels import mx
-from mxfx.kernels.launch import Launcher, cdiv
+from mxfx.kernels import mx, ptx_hints
+from mxfx.kernels.launch import Launcher, cdiv, num_sms
 from mxfx.kernels.moe_sm90 import _epilogue, _log2, _tables, _tile_row, _unpack_a, _w_layout, _weight_rows
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
@@ -352,6 +354,7 @@ def _moe_gemm_sm90_ws(
     NC: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    COPY_L2_BYTES: gl.constexpr,
 ):
     # x (dot-ordered, padded), the words (16-byte aligned rows) and out (along N) have unit
     # strides, checked by the caller.
@@ -359,6 +362,8 @@ def _moe_gemm_sm90_ws(
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 160))  # the rows the MMA widths cover (SMALL_BLOCK_M, BLOCK_M)
     gl.static_assert(NC == 3)  # the partition list below
+    # ptx_hints adds the qualifier after compilation; as a parameter it keys the binary caches.
+    gl.static_assert(COPY_L2_BYTES == 128)
     # A block's first 128 rows and the rest (see BLOCK_M).
     X_ROWS: gl.constexpr = min(BLOCK_M, 128)
     ROWS: gl.constexpr = 64 * NC  # a tile's weight rows
@@ -416,6 +421,7 @@ def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.co
 
 
 GEMM_SM90_WS = Launcher(_moe_gemm_sm90_ws)
+ptx_hints.l2_prefetch_128b("_moe_gemm_sm90_ws")
 _DOT_ORDER = Launcher(_dot_order_kernel)
 
 
@@ -453,14 +459,8 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
     num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * CONSUMERS)
-    GEMM_SM90_WS[(min(num_tiles, _num_sms(args[0].device)),)](
+    # The persistent grid: one program per SM.
+    GEMM_SM90_WS[(min(num_tiles, num_sms(args[0].device)),)](
         *args, num_tiles, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
         DOT_ORDER_OUT=dot_order_out, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS,
-        num_warps=4, num_stages=1, maxnreg=_MAXNREG)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    """The persistent grid: one program per SM (elsewhere, where launches are only recorded
-    or compiled, one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        COPY_L2_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)

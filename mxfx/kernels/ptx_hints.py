@@ -1,0 +1,48 @@
+"""PTX qualifiers that Gluon has no spelling for, added to named kernels as Triton compiles them.
+
+Gluon's ``async_copy_global_to_shared`` emits ``cp.async.cg.shared.global`` without the L2
+prefetch-size qualifier, and nothing in its API adds one. :func:`l2_prefetch_128b` registers a
+kernel whose copies then carry ``.L2::128B``, so an L2 miss fetches the whole 128-byte line
+rather than the sectors asked for. The rewrite runs in Triton's ``ptx`` stage, through its
+``knobs.runtime.add_stages_inspection_hook`` (chained to a hook already there), on kernels
+compiled after the registration, CUDA only. A kernel compiled with the hook replaced by
+someone else's is right, only without the hint.
+"""
+from __future__ import annotations
+
+from triton import knobs
+
+_KERNELS: set[str] = set()
+_COPY = "cp.async.cg.shared.global "
+_HINTED = "cp.async.cg.shared.global.L2::128B "
+
+
+def rewrite(ptx: str) -> str:
+    """``ptx`` with every ``cp.async.cg.shared.global`` given ``.L2::128B``."""
+    return ptx.replace(_COPY, _HINTED)
+
+
+def _hook(previous):
+    def add_stages(backend, stages, options, language, capability):
+        if previous is not None:
+            previous(backend, stages, options, language, capability)
+        make_ptx = stages.get("ptx")
+        if make_ptx is None:
+            return
+
+        def ptx(src, metadata):
+            out = make_ptx(src, metadata)
+            return rewrite(out) if metadata.get("name") in _KERNELS else out
+
+        stages["ptx"] = ptx
+
+    add_stages.mxfx = True
+    return add_stages
+
+
+def l2_prefetch_128b(kernel_name: str) -> None:
+    """Give the cp.async copies of the kernel whose entry is ``kernel_name`` ``.L2::128B``."""
+    _KERNELS.add(kernel_name)
+    current = knobs.runtime.add_stages_inspection_hook
+    if not getattr(current, "mxfx", False):
+        knobs.runtime.add_stages_inspection_hook = _hook(current)
