@@ -82,7 +82,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
 
     ptx = target.backend == "cuda" and target.arch >= 90
     native = target.arch >= 100 if target.backend == "cuda" else target.arch == "gfx950"
-    saved = launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma, launch.num_sms
+    saved = launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma
     launch.Launcher._launch = record
     mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
     moe_sm90.runs_on = lambda device: target.backend == "cuda" and target.arch == 90
@@ -106,21 +106,11 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
                         for fmt in ("mxfp8", "mxfp4"):
                             moe.fused_moe(x, tw, ids, w, GPT_OSS, ActivationQuant(fmt, "even"))
             mx.dequantize_mxfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), dtype)
-        # Recorded on CPU, grids are sized for one SM; the bf16 MXFP4 cases of few pairs again as
-        # on an H200's 132, where mma.sync grids of one wave load further ahead (moe_sm90.prefetch).
-        launch.num_sms = lambda device: 132
-        w = _weights(E, H, I, torch.bfloat16, True)
-        for T in (1, 8):
-            x = torch.zeros(T, H, dtype=torch.bfloat16)
-            ids = torch.arange(T * k, dtype=torch.int32).reshape(T, k) % E
-            tw = torch.ones(T, k, dtype=torch.bfloat16)
-            moe.fused_moe(x, tw, ids, w, GPT_OSS, ActivationQuant())
-            moe.unfused_moe(x, tw, ids, w, GPT_OSS, activation.gated_activation)
         # Routing: one chunk smaller than, one as large as the default, several chunks.
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
     finally:
-        launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma, launch.num_sms = saved
+        launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma = saved
     return list(launches.values())
 
 

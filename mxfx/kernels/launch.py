@@ -22,7 +22,6 @@ replay off). ``python tools/profile_moe_eager.py`` measures what this saves.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import os
 import threading
@@ -42,13 +41,6 @@ def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for grid sizes: ``triton.cdiv`` is a JIT callable, about 2 µs a call
     from Python, and an eager MoE call computes a dozen of these."""
     return -(-a // b)
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """``device``'s streaming multiprocessors, what one-wave and persistent grids are sized on
-    (elsewhere, where launches are only recorded or compiled, one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def next_power_of_2(n: int) -> int:

@@ -434,11 +434,9 @@ def _gemm(
             cnt, summed, topk = k_sum
             count = (cnt, cnt.numel(), summed, summed.stride(0))
             per_pair.update(COUNTERS=2, TOPK=topk)
-        grid = num_blocks * cdiv(n_out, block_n) * split_k
-        moe_sm90.GEMM_SM90[(grid,)](
+        moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
             *args, *count, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
-            SYNC_MMA=cfg.sync_mma, PREFETCH=moe_sm90.prefetch(grid, cfg.sync_mma, out.device), num_warps=4,
-            num_stages=1)
+            SYNC_MMA=cfg.sync_mma, num_warps=4, num_stages=1)
         if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
             mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
         return

@@ -23,8 +23,7 @@ quantizes the intermediate afterwards). What differs is how the weights reach th
   column (accumulator rows r and r+8).
 
 Loads are issued one K step ahead (register double buffering, unrolled by two so that the
-buffers rotate without copies), or two (``PREFETCH`` 3, where the grid is one wave at three
-programs per SM); rows past N are clamped and never stored, so only the K tail
+buffers rotate without copies); rows past N are clamped and never stored, so only the K tail
 (with split K, the steps past those the shortest split has whole) is masked.
 """
 from __future__ import annotations
@@ -38,7 +37,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from mxfx.kernels import launch
 from mxfx.kernels.launch import Launcher
 
 # One int32 word (8 E2M1 values, the K pairs of bytes 0..3) and its E8M0 scale byte s → four
@@ -368,7 +366,6 @@ def _moe_gemm_sm90(
     PER_PAIR_E: gl.constexpr = 0,
     COUNTERS: gl.constexpr = 0,
     TOPK: gl.constexpr = 1,
-    PREFETCH: gl.constexpr = 2,
 ):
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert(K % 32 == 0)
@@ -455,29 +452,19 @@ def _moe_gemm_sm90(
         # loop runs on those, unmasked, and fully unrolling a long K range costs i-cache.
         NFULL: gl.constexpr = max(K - (SPLIT_K - 1) * K_SPLIT, 0) // BLOCK_K
         NS: gl.constexpr = K_SPLIT // BLOCK_K
-    # Loads run PREFETCH steps ahead, into as many register buffers, the loop unrolled by as
-    # many so that they rotate without copies; steps alternate x_smem0 and x_smem1, so wgmma
-    # takes PREFETCH 2 only. The loop's loads need no K mask.
-    gl.static_assert((PREFETCH == 2) | ((PREFETCH == 3) & SYNC_MMA))
-    ITER: gl.constexpr = (NFULL - PREFETCH) // PREFETCH if NFULL >= PREFETCH else 0
+    # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
+    ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
     w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
     if NS > 1:
         w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
-    if PREFETCH == 3:
-        if NS > 2:
-            w2, s2, x2 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + 2 * BLOCK_K, k_end, NFULL <= 2)
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
-            k0 = k_lo + it * (PREFETCH * BLOCK_K)
+            k0 = k_lo + it * (2 * BLOCK_K)
             acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
-            w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + PREFETCH * BLOCK_K, k_end, False)
+            w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
             acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
-            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + (PREFETCH + 1) * BLOCK_K, k_end,
-                                    False)
-            if PREFETCH == 3:
-                acc = _mma_step(acc, w2, s2, x2, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
-                w2, s2, x2 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 5 * BLOCK_K, k_end, False)
-    for j in gl.static_range(PREFETCH * ITER, NS):
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
+    for j in gl.static_range(2 * ITER, NS):
         if j % 2 == 0:
             acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
         else:
@@ -486,17 +473,9 @@ def _moe_gemm_sm90(
             w0 = w1
             s0 = s1
             x0 = x1
-        if PREFETCH == 3:
-            if j + 2 < NS:
-                w1 = w2
-                s1 = s2
-                x1 = x2
-        if j + PREFETCH < NS:
-            kj = k_lo + (j + PREFETCH) * BLOCK_K
-            if PREFETCH == 3:
-                w2, s2, x2 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, kj, k_end, j + 3 >= NFULL)
-            else:
-                w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, kj, k_end, j + 2 >= NFULL)
+        if j + 2 < NS:
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + (j + 2) * BLOCK_K, k_end,
+                                    j + 2 >= NFULL)
     _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0)
@@ -514,11 +493,3 @@ BLOCK_N2 = 64  # the kernel's output columns per program without a gated epilogu
 def runs_on(device: torch.device) -> bool:
     """Whether ``device`` is a Hopper GPU (wgmma, CUDA sm_90)."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
-
-
-def prefetch(grid: int, sync_mma: bool, device: torch.device) -> int:
-    """``PREFETCH`` for a launch of ``grid`` programs: 3 on mma.sync where the grid is one wave at
-    three programs per SM (three buffers take 162-164 registers against 127-128, so three
-    programs per SM rather than four), else 2. H200, graph µs, 2 and 3: gpt-oss-120b T=1 (GEMM1
-    360 programs, GEMM2 720) 32.5-32.8 / 32.1; MiniMax-M3 T=1 (both 384) 54.7-54.8 / 52.6-53.8."""
-    return 3 if sync_mma and grid <= 3 * launch.num_sms(device) else 2

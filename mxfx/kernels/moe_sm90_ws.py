@@ -19,8 +19,8 @@ partitions:
   int32 offsets rather than pointers, for registers (:func:`fits` bounds the inputs).
 - The copies carry ``.L2::128B`` (:mod:`mxfx.kernels.ptx_hints`): a step copies 64 bytes of
   each weight row, half an L2 line, and with the hint the miss fetches the whole line, so the
-  next step's half is an L2 hit (H200, graph µs, gpt-oss-120b: T=512 871-875 -> 837-844,
-  T=2048 1330-1332 -> 1306-1307).
+  next step's half is an L2 hit (H200, graph µs, gpt-oss-120b, two A/B runs: T=512 871-875 ->
+  837-844 and 874-875 -> 848-851; T=2048 1330-1332 -> 1306-1307 and 1323-1334 -> 1321-1322).
 - Consumers (a warpgroup each, 64 of the weight rows) read their words from the ring,
   unpack them and multiply by wgmma against the activation slot, each freeing the slot once
   its MMAs have retired. A consumer unpacks the second half of a step while the MMA of the
@@ -48,6 +48,8 @@ intermediate in natural order.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -59,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import mx, ptx_hints
-from mxfx.kernels.launch import Launcher, cdiv, num_sms
+from mxfx.kernels.launch import Launcher, cdiv
 from mxfx.kernels.moe_sm90 import _epilogue, _log2, _tables, _tile_row, _unpack_a, _w_layout, _weight_rows
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
@@ -459,8 +461,14 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
     num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * CONSUMERS)
-    # The persistent grid: one program per SM.
-    GEMM_SM90_WS[(min(num_tiles, num_sms(args[0].device)),)](
+    GEMM_SM90_WS[(min(num_tiles, _num_sms(args[0].device)),)](
         *args, num_tiles, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
         DOT_ORDER_OUT=dot_order_out, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS,
         COPY_L2_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """The persistent grid: one program per SM (elsewhere, where launches are only recorded
+    or compiled, one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
