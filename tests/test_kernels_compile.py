@@ -48,6 +48,12 @@ def test_every_kernel_compiles_for(target):
     assert {row["kernel"].split()[0] for row in rows} == (
         KERNELS | ({"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel"} if target == "cuda:90" else set())
         | ({"_quantize_kernel"} if native else set()))
+    # The warp-specialized kernel's copies carry the L2 prefetch hint (ptx_hints), no other kernel's.
+    copies = {row["kernel"].split()[0]: row["cp_async"] for row in rows if "cp_async" in row}
+    if target == "cuda:90":
+        ws = copies.pop("_moe_gemm_sm90_ws")
+        assert ws["all"] > 0 and ws["L2::128B"] == ws["all"], ws
+    assert all(c["L2::128B"] == 0 for c in copies.values()), copies
     scaled = {fmt for row in rows for fmt in (1, 2) if f"'A_FMT': {fmt}" in row["kernel"]}
     assert scaled == ({1, 2} if native else set())
     assert len(rows) > 50  # MoE GEMM variants: dtypes, weight kinds, tile regimes, epilogues

@@ -11,7 +11,9 @@ SASS instruction count of each kernel's longest loop and its most frequent opcod
 first look at a variant's arithmetic cost before timing it on a GPU (with a model's sizes,
 so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from Triton's cache,
 so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
-registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``).
+registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``). A CUDA
+kernel's cp.async copies are counted, with those carrying ``.L2::128B`` (``cp_async`` in
+``--json``; see :mod:`mxfx.kernels.ptx_hints`).
 
     python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
     python tools/compile_kernels.py --target cuda:90 --sass --hidden 2880 --intermediate 2880
@@ -196,6 +198,10 @@ def main(argv=None) -> int:
                 serialized = serialized_wgmma(log)
                 if serialized:
                     row["serialized_wgmma"] = serialized
+                if target.backend == "cuda":
+                    copies = re.findall(r"cp\.async\.cg\.shared\.global(\.L2::128B)? ", compiled.asm["ptx"])
+                    if copies:
+                        row["cp_async"] = {"L2::128B": sum(1 for c in copies if c), "all": len(copies)}
                 if a.sass and target.backend == "cuda":
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so
