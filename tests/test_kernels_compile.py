@@ -57,3 +57,17 @@ def test_every_kernel_compiles_for(target):
     scaled = {fmt for row in rows for fmt in (1, 2) if f"'A_FMT': {fmt}" in row["kernel"]}
     assert scaled == ({1, 2} if native else set())
     assert len(rows) > 50  # MoE GEMM variants: dtypes, weight kinds, tile regimes, epilogues
+
+
+def test_hopper_k_loops_keep_their_wgmma_async():
+    """At a model's sizes (gpt-oss: H = I = 2880, 22.5 K steps) the K loops are loops, where
+    ptxas may serialize wgmma for want of registers or on fragments left in flight across the
+    back edge; at the tiny sizes above most K loops are a single step and cannot show it."""
+    r = subprocess.run([sys.executable, str(TOOL), "--target", "cuda:90", "--hidden", "2880",
+                        "--intermediate", "2880", "--json"], capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and rows, r.stderr[-2000:]
+    bad = [f"{row['kernel']}: {row.get('error') or row['serialized_wgmma']}" for row in rows
+           if "error" in row or "serialized_wgmma" in row]
+    assert not bad, "\n".join(bad)
+    assert {"_moe_gemm_sm90", "_moe_gemm_sm90_ws"} <= {row["kernel"].split()[0] for row in rows}
