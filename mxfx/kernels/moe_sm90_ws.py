@@ -80,6 +80,9 @@ SMALL_BLOCK_M = 64
 # each in 64-row blocks (and 80 registers at launch), alternating runs: T=1024 1051-1055 ->
 # 1027-1028 µs, T=1536 1197-1198 -> 1148-1152, T=512 874-880 -> 860-862.
 CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
+# A consumer's K steps per wait for all its MMAs (see _consume): the steps of a group overlap
+# one another's MMAs, the last one's are drained.
+STEPS_PER_WAIT = gl.constexpr(2)
 
 
 def _stages(block_m: int, gated: bool) -> int:
@@ -164,13 +167,24 @@ def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e6
 
 
 @gluon.jit
-def _drain(acc, acc2, f0, f1, TWO: gl.constexpr):
-    """Waits for every MMA in flight, the last of which read fragments ``f0`` and ``f1``."""
+def _steps(i0, n: gl.constexpr, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, empty, acc, acc2, tables,
+           K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, WH: gl.constexpr,
+           A_L: gl.constexpr, TWO: gl.constexpr):
+    """K steps ``i0`` to ``i0 + n - 1`` (:func:`_step`), each issued while the one before's
+    MMAs run; then every MMA waited for and the last step's slot freed. Returns the
+    accumulators and the next step's scales."""
+    acc, acc2, f0, f1, sc = _step(i0, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2, tables,
+                                  K, G, MR, STAGES, WH, A_L, TWO)
+    for j in gl.static_range(1, n):
+        acc, acc2, f0, f1, sc = _step(i0 + j, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2,
+                                      tables, K, G, MR, STAGES, WH, A_L, TWO, f0, f1, empty)
     if TWO:
         acc, acc2, f0, f1 = warpgroup_mma_wait(0, deps=[acc, acc2, f0, f1])
     else:
         acc, f0, f1 = warpgroup_mma_wait(0, deps=[acc, f0, f1])
-    return acc, acc2
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((g + i0 + n - 1) % STAGES))
+    return acc, acc2, sc
 
 
 @gluon.jit
@@ -252,24 +266,16 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
     TWO: gl.constexpr = MR2 > 0  # a second MMA on each fragment
     if not TWO:
         acc2 = acc  # (a placeholder, never multiplied into)
-    # Steps in pairs: the second's unpack runs while the first's MMAs do; the pair ends waiting
-    # for all of them. (Fragments left in flight across the loop's back edge: ptxas serializes
-    # every wgmma, C7512, even at 232 registers; a pair per iteration keeps them inside.)
-    for i2 in range(NS // 2):
-        i = 2 * i2
-        acc, acc2, a0, a1, sc = _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2,
-                                      tables, K, G, MR, STAGES, WH, A_L, TWO)
-        acc, acc2, b0, b1, sc = _step(i + 1, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2,
-                                      tables, K, G, MR, STAGES, WH, A_L, TWO, a0, a1, empty)
-        acc, acc2 = _drain(acc, acc2, b0, b1, TWO)
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((g + i + 1) % STAGES))
-    if NS % 2:
-        acc, acc2, a0, a1, sc = _step(NS - 1, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2,
-                                      tables, K, G, MR, STAGES, WH, A_L, TWO)
-        acc, acc2 = _drain(acc, acc2, a0, a1, TWO)
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((g + NS - 1) % STAGES))
+    # Steps in groups of STEPS_PER_WAIT: each one's unpack runs while the step before's MMAs
+    # do, and the group ends waiting for all of them. (Fragments left in flight across the
+    # loop's back edge: ptxas serializes every wgmma, C7512, even at 232 registers; a group
+    # per iteration keeps them inside.)
+    for ig in range(NS // STEPS_PER_WAIT):
+        acc, acc2, sc = _steps(STEPS_PER_WAIT * ig, STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem,
+                               ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
+    if NS % STEPS_PER_WAIT:
+        acc, acc2, sc = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem,
+                               x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
     _epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT)
