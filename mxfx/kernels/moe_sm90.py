@@ -4,8 +4,8 @@ bound by its instruction count. Its tile rows, unpack and epilogue are shared wi
 :mod:`mxfx.kernels.moe_sm90_ws`, the warp-specialized kernel for many rows per block.
 
 :func:`_moe_gemm_sm90` takes the same runtime arguments as ``moe._moe_gemm`` and computes the
-same GEMM1 (gated or not) and GEMM2 epilogues, except activation quantization (the caller
-quantizes the intermediate afterwards). What differs is how the weights reach the tensor cores:
+same GEMM1 (gated or not) and GEMM2 epilogues, the intermediate's activation quantization
+included. What differs is how the weights reach the tensor cores:
 
 - One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` with the
   weights as the MMA's A operand.
