@@ -80,9 +80,11 @@ SMALL_BLOCK_M = 64
 # each in 64-row blocks (and 80 registers at launch), alternating runs: T=1024 1051-1055 ->
 # 1027-1028 µs, T=1536 1197-1198 -> 1148-1152, T=512 874-880 -> 860-862.
 CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
-# A consumer's K steps per wait for all its MMAs (see _consume): the steps of a group overlap
-# one another's MMAs, the last one's are drained.
-STEPS_PER_WAIT = gl.constexpr(2)
+# A consumer's K steps per wait for all its MMAs (_consume's STEPS_PER_WAIT; the steps of a
+# group overlap one another's MMAs, the last one's are drained): pairs in 64-row blocks, single
+# steps in 160-row ones. gpt-oss-120b, alternating runs, steps of one / two / three: T=256 805 /
+# 776 / 785 µs, T=512 848-852 / 829-838 / 883-886, T=1024 1019-1020 / 1008-1012 / 1046; in
+# 160-row blocks T=2048 1319 / 1350-1356 / 1398-1399, T=4096 1913 / 1992-1994 / 2025-2028.
 
 
 def _stages(block_m: int, gated: bool) -> int:
@@ -237,7 +239,8 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
              stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
              stride_om, N, up_offset, alpha, beta, limit, K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr,
              MR2: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
-             HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+             HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
+             STEPS_PER_WAIT: gl.constexpr):
     """Warpgroup ``G``'s K loop over the ring (its 64 of the slot's weight rows) and the
     epilogue of its tile of the block whose pairs start at ``pairs_ptr`` (``MR`` rows, and
     ``MR2`` more from ``x2_smem`` by a second MMA on the same fragments); ``g`` as in
@@ -335,6 +338,7 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, 
               ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, G: gl.constexpr):
     NS: gl.constexpr = (K + 127) // 128
     EXTRA: gl.constexpr = BLOCK_M - 128
+    STEPS: gl.constexpr = 2 if BLOCK_M <= 64 else 1  # (measured at CONSUMERS)
     g = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, (32 if GATED else 64) * NC)
@@ -349,32 +353,32 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, 
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 16, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif nrows <= 32:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 32, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif nrows <= 96:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, EXTRA, STAGES,
-                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif nrows <= 128:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             else:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, EXTRA, STAGES,
-                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             g += NS
 
 
