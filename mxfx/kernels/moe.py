@@ -436,9 +436,8 @@ def _gemm(
             per_pair.update(COUNTERS=2, TOPK=topk)
         moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
             *args, *count, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
-            SYNC_MMA=cfg.sync_mma, num_warps=4, num_stages=1)
-        if aq.fmt != "none":  # the Hopper epilogue does not quantize: the next GEMM's input, here
-            mx.quantize_dequantize(out, aq.fmt, aq.scale_rounding, out=out)
+            SYNC_MMA=cfg.sync_mma, AQ=mx.FMT_CODES[aq.fmt], AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
+            num_warps=4, num_stages=1)
         return
     a_fmt, a_scale = a_mx if a_mx is not None else ("none", w)
     _GEMM[(num_blocks * cdiv(n_out, block_n) * split_k,)](

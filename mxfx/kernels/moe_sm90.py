@@ -4,8 +4,8 @@ bound by its instruction count. Its tile rows, unpack and epilogue are shared wi
 :mod:`mxfx.kernels.moe_sm90_ws`, the warp-specialized kernel for many rows per block.
 
 :func:`_moe_gemm_sm90` takes the same runtime arguments as ``moe._moe_gemm`` and computes the
-same GEMM1 (gated or not) and GEMM2 epilogues, except activation quantization (the caller
-quantizes the intermediate afterwards). What differs is how the weights reach the tensor cores:
+same GEMM1 (gated or not) and GEMM2 epilogues, the intermediate's activation quantization
+included. What differs is how the weights reach the tensor cores:
 
 - One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` with the
   weights as the MMA's A operand.
@@ -37,6 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from mxfx.kernels import mx
 from mxfx.kernels.launch import Launcher
 
 # One int32 word (8 E2M1 values, the K pairs of bytes 0..3) and its E8M0 scale byte s → four
@@ -255,13 +256,15 @@ def _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, str
               out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
               GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
               ROUTE_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
-              PER_PAIR: gl.constexpr = False):
+              PER_PAIR: gl.constexpr = False, AQ: gl.constexpr = 0, AQ_ROUNDING: gl.constexpr = 0):
     """Bias, gated activation, routing weight and the store of the ``[ROWS, BLOCK_M]``
     accumulator, in a plain layout: ``[BLOCK_N, BLOCK_M]``, a warp's lanes along N.
     ``DOT_ORDER_OUT``: columns stored at :func:`_dot_position` and the row's padding up to a
     multiple of 128 zeroed, the layout
     :func:`mxfx.kernels.moe_sm90_ws._moe_gemm_sm90_ws` reads. ``PER_PAIR``: block ``blk`` is
-    pair ``blk`` alone (``mxfx.kernels.routing.per_pair``)."""
+    pair ``blk`` alone (``mxfx.kernels.routing.per_pair``). ``AQ``, ``AQ_ROUNDING``: the output,
+    rounded to its dtype, quantize-dequantized as :func:`mxfx.kernels.mx.qdq` does it (a gated
+    tile's 32 columns are one MX block of each row)."""
     BLOCK_N: gl.constexpr = ROWS // 2 if GATED else ROWS
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, ROWS // 16], [0, 1])
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
@@ -295,6 +298,10 @@ def _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, str
             res += gl.expand_dims(gl.load(b_base + n * stride_bn, mask=n_ok & (ks == 0), other=0.0).to(gl.float32), 1)
     if ROUTE_WEIGHT:
         res = res * gl.expand_dims(gl.load(rw_ptr + pairs, mask=m_ok, other=0.0).to(gl.float32), 0)
+    if AQ != 0:  # the next GEMM's input
+        gl.static_assert(BLOCK_N == 32)
+        q = mx.qdq(gl.permute(res.to(out_ptr.dtype.element_ty), [1, 0]), AQ, AQ_ROUNDING, BLOCK_M, BLOCK_N)
+        res = gl.permute(q, [1, 0])
     rows = out_ptr + ks * stride_os + gl.expand_dims(pairs.to(gl.int64) * stride_om, 0)
     mask = gl.expand_dims(m_ok, 0) & gl.expand_dims(n_ok, 1)
     if DOT_ORDER_OUT:
@@ -366,6 +373,8 @@ def _moe_gemm_sm90(
     PER_PAIR_E: gl.constexpr = 0,
     COUNTERS: gl.constexpr = 0,
     TOPK: gl.constexpr = 1,
+    AQ: gl.constexpr = 0,
+    AQ_ROUNDING: gl.constexpr = 0,
 ):
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert(K % 32 == 0)
@@ -478,7 +487,7 @@ def _moe_gemm_sm90(
                                     j + 2 >= NFULL)
     _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-              ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0)
+              ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
     if COUNTERS == 2:
         _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
                        n0 // BLOCK_N, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)

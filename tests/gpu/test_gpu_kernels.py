@@ -280,11 +280,11 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
 )
 def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     """On Hopper, bf16 MXFP4 up to 4 rows per expert runs :mod:`mxfx.kernels.moe_sm90` with
-    mma.sync on 8-row blocks (fused and unfused, and A8 through its separate quantize pass);
-    above that, weight rows not 16 bytes apart (so not the warp-specialized kernel of the next
-    test) take its wgmma on 32-row blocks; weights not readable as words fall back to the
-    portable kernel. All match emulation."""
-    from mxfx.kernels import moe_sm90
+    mma.sync on 8-row blocks (fused and unfused, and A8: x quantized by a pass of its own, the
+    intermediate in GEMM1's epilogue); above that, weight rows not 16 bytes apart (so not the
+    warp-specialized kernel of the next test) take its wgmma on 32-row blocks; weights not
+    readable as words fall back to the portable kernel. All match emulation."""
+    from mxfx.kernels import moe_sm90, mx
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
@@ -297,11 +297,40 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
         _check(fn, T, E, H, I, k, torch.bfloat16, act, **kw)
         assert [(m["SYNC_MMA"], m["BLOCK_M"]) for m in calls] == [(sync, 8 if sync else 32)] * 2
     calls.clear()
+    qdq = _spy(monkeypatch, mx._QDQ)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2, **kw)
-    assert len(calls) == 2
+    # x through the quantize pass, the intermediate in GEMM1's epilogue.
+    assert [m["AQ"] for m in calls] == [1, 0] and len(qdq) == 1
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
     assert not calls
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("T,E,pad", [(1, 8, 0), (12, 16, 0), (12, 8, 4)])  # per pair, 8-row blocks, wgmma
+def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E, pad):
+    """Under W4A8/W4A4, moe_sm90's GEMM1 quantize-dequantizes the intermediate in its epilogue:
+    the same bits as GEMM1 without it followed by ``mx.quantize_dequantize``."""
+    from mxfx.kernels import moe_sm90, mx
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    H, I, k = 352, 2880, 4
+    W = _weights(E, H, I, torch.bfloat16, pad=pad)
+    x, _, ids = _inputs(T, H, E, k, torch.bfloat16, seed=T)
+    cfg = moe.pick_config(T * k, E, H, hopper=True, warp_specialized=False)
+    assert cfg.sm90 and cfg.sync_mma == (pad == 0)
+    routing = moe._route(ids, E, cfg)
+    inter = []
+    for aq in (ActivationQuant(fmt, "even"), ActivationQuant()):
+        out = torch.full((T * k, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe._gemm(x, k, W.w13, W.w13_scale, W.w13_bias, routing, out, 0, I, H, cfg, block_n=cfg.block_n1,
+                  act=GPT_OSS, aq=aq)
+        inter.append(out)
+    quantized, plain = inter
+    assert not plain.isnan().any()
+    assert not torch.equal(quantized, plain)
+    assert torch.equal(quantized, mx.quantize_dequantize(plain, fmt, "even"))
 
 
 @pytest.mark.parametrize(
