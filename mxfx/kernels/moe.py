@@ -23,9 +23,9 @@ the emulation backend. On per-pair blocks (few pairs, Hopper; see :func:`_route`
 GEMM2 program of each token and column tile adds them in the same order instead.
 
 On a Hopper GPU, MXFP4 weights with bfloat16 activations at small and mid T go to
-:mod:`mxfx.kernels.moe_sm90` instead (same arguments and epilogues; under activation
-quantization the intermediate is then quantize-dequantized by a separate pass), and without
-activation quantization at large T to :mod:`mxfx.kernels.moe_sm90_ws`.
+:mod:`mxfx.kernels.moe_sm90` instead (same arguments and epilogues, the intermediate's
+activation quantization included), and without activation quantization at large T to
+:mod:`mxfx.kernels.moe_sm90_ws`.
 """
 from __future__ import annotations
 
