@@ -338,7 +338,9 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, 
               ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, G: gl.constexpr):
     NS: gl.constexpr = (K + 127) // 128
     EXTRA: gl.constexpr = BLOCK_M - 128
-    STEPS: gl.constexpr = 2 if BLOCK_M <= 64 else 1  # (measured at CONSUMERS)
+    # Pairs (see CONSUMERS) only where the K loop runs more than once: with one iteration of a
+    # pair, ptxas left a wgmma's descriptor registers unwritten on one path (K = 160, 224, 352).
+    STEPS: gl.constexpr = 2 if BLOCK_M <= 64 and (K + 127) // 128 >= 4 else 1
     g = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, (32 if GATED else 64) * NC)
