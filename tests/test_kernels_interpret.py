@@ -402,7 +402,7 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     launched = []
     monkeypatch.setattr(launch.Launcher, "_launch", lambda self, grid, a, meta: launched.append((self._kernel.__name__, meta)))
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
-    E, H, I, k = 4, 64, 96, 2
+    E, H, I, k = 4, 160, 224, 2  # K loops of two steps (one-step ones are not warp-specialized)
 
     def kernels(T, dtype=torch.bfloat16, quantized=True, w13=None, aq=ActivationQuant()):
         W = _weights(E, H, I, dtype, quantized, True, 0, "cpu")
@@ -463,7 +463,9 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     assert kernels(40, w13=shifted) == ["_moe_gemm_sm90"] * 2
     # Dot-ordered inputs of 2^31 elements or more (the producer's offsets are int32): not
     # warp-specialized.
-    assert moe_sm90_ws.fits(W, 2**24 - 1, 100, 64) and not moe_sm90_ws.fits(W, 2**24, 100, 64)
+    assert moe_sm90_ws.fits(W, 2**23 - 1, 200, 136) and not moe_sm90_ws.fits(W, 2**23, 200, 136)
+    # K loops of one step (K <= 128), GEMM1's or GEMM2's: not warp-specialized (wgmma_guard).
+    assert not moe_sm90_ws.fits(W, 100, 128, 136) and not moe_sm90_ws.fits(W, 100, 200, 128)
     assert kernels(3, torch.float16) == ["_moe_gemm"] * 2  # the unpack makes bf16
     assert kernels(3, quantized=False) == ["_moe_gemm"] * 2
     # Rows of the packed weights not a multiple of 4 bytes apart: not readable as words, and

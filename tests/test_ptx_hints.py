@@ -33,7 +33,7 @@ def test_hook_rewrites_named_kernels_and_chains(monkeypatch):
     ptx_hints.l2_prefetch_128b("hinted_kernel")
     ptx_hints.l2_prefetch_128b("other_hinted_kernel")  # the hook is installed once
     hook = knobs.runtime.add_stages_inspection_hook
-    assert hook is not previous and hook.mxfx
+    assert hook is not previous and "ptx_hints" in hook.mxfx_hooks
     stages = {"llir": None, "ptx": lambda src, metadata: PTX}
     hook(None, stages, None, "gluon", 90)
     assert calls == ["gluon"]

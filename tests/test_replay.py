@@ -47,7 +47,7 @@ def logged(monkeypatch) -> list:
     return _Logged.log
 
 
-def _inputs(T: int, seed: int, quantized: bool = True) -> tuple:
+def _inputs(T: int, seed: int, quantized: bool = True, H: int = H, I: int = I) -> tuple:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
@@ -150,9 +150,9 @@ def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkey
     from mxfx.kernels import moe_sm90
 
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
-    T = 200  # 50 rows per expert
+    T, h, i = 200, 160, 224  # 50 rows per expert; K loops of two steps (one-step ones are not warp-specialized)
     rep = Replayer(moe._fused_moe)
-    inputs = _inputs(T, 0)
+    inputs = _inputs(T, 0, H=h, I=i)
     rep(inputs, (GPT_OSS, ActivationQuant(aq)))
     (plan,) = rep._plans.values()
     assert not isinstance(plan, str), plan
@@ -160,7 +160,7 @@ def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkey
     assert names.count("_moe_gemm_sm90_ws") == 2 and names.count("_dot_order_kernel") == (2 if aq != "none" else 1)
     _check_workspace(plan)
     rows = T * K
-    inter, per_slot = rows * 128 * 2, rows * H * 4  # I = 96 padded to 128 columns, bf16; float32
+    inter, per_slot = rows * 256 * 2, rows * h * 4  # I = 224 padded to 256 columns, bf16; float32
     assert inter + per_slot <= plan.workspace < sum(r.nbytes for r in plan.regions)
     # x dot-ordered, the intermediate (natural and dot-ordered under A4), the per-slot results
     # and the routing's counts, sorted pairs and per-block expert and rows

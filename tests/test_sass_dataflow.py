@@ -1,10 +1,5 @@
-"""tools/sass_dataflow.py: HGMMA descriptor registers not written on every path."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-from sass_dataflow import unwritten_descriptor_reads  # noqa: E402
+"""mxfx.kernels.sass_dataflow: HGMMA descriptor registers not written on every path."""
+from mxfx.kernels.sass_dataflow import unwritten_descriptor_reads
 
 
 def _sass(*instructions: str) -> str:

@@ -13,9 +13,9 @@ so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from 
 so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
 registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``). A CUDA
 kernel's cp.async copies are counted, with those carrying ``.L2::128B`` (``cp_async`` in
-``--json``; see :mod:`mxfx.kernels.ptx_hints`). A kernel with an HGMMA whose descriptor
-registers some path leaves unwritten (:mod:`sass_dataflow`) is marked ``HGMMA DESCRIPTOR
-UNWRITTEN`` (``unwritten_descriptors``).
+``--json``; see :mod:`mxfx.kernels.ptx_hints`). A Hopper kernel whose binary
+:mod:`mxfx.kernels.wgmma_guard` refuses (an HGMMA reading descriptor registers that some path
+leaves unwritten) fails with ``MiscompiledKernel``.
 
     python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
     python tools/compile_kernels.py --target cuda:90 --sass --hidden 2880 --intermediate 2880
@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mxfx.activation import GPT_OSS, SILU_AND_MUL, minimax_m3  # noqa: E402
 from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import activation, launch, moe, moe_sm90, mx, routing  # noqa: E402
-from sass_dataflow import unwritten_descriptor_reads  # noqa: E402
 
 DEFAULT_TARGETS = ("cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950")
 _OPTIONS = ("num_warps", "num_stages", "debug")
@@ -155,26 +154,14 @@ def serialized_wgmma(ptxas_log: list) -> list:
     return [line.strip() for line in ptxas_log if "wgmma" in line and "Performance Loss" in line]
 
 
-def _cuda_tool(name: str) -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
-
-
-def sass(cubin: bytes) -> str:
-    """``cuobjdump -sass`` of a CUDA binary (addresses as branch targets)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([_cuda_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-
-
 def loop_sass(cubin: bytes, top: int = 8) -> dict:
     """Instruction count and most frequent opcodes of the longest loop (the span between a
     backward branch and its target) in a CUDA binary, disassembled by Triton's nvdisasm."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([_cuda_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
+        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
                               check=True).stdout.splitlines()
     labels = {line[:-1]: i for i, line in enumerate(text) if re.match(r"^\.L_x_\d+:$", line)}
     best: list[str] = []
@@ -217,10 +204,6 @@ def main(argv=None) -> int:
                     copies = re.findall(r"cp\.async\.cg\.shared\.global(\.L2::128B)? ", compiled.asm["ptx"])
                     if copies:
                         row["cp_async"] = {"L2::128B": sum(1 for c in copies if c), "all": len(copies)}
-                    if "wgmma.mma_async" in compiled.asm["ptx"]:
-                        unwritten = unwritten_descriptor_reads(sass(compiled.asm["cubin"]))
-                        if unwritten:
-                            row["unwritten_descriptors"] = unwritten
                 if a.sass and target.backend == "cuda":
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so
@@ -229,8 +212,6 @@ def main(argv=None) -> int:
             status = f"FAIL {row['error']}" if "error" in row else f"ok   smem {row['shared']}"
             if "serialized_wgmma" in row:
                 status += " WGMMA SERIALIZED"
-            if "unwritten_descriptors" in row:
-                status += " HGMMA DESCRIPTOR UNWRITTEN"
             if "loop_instructions" in row:
                 status += f" loop {row['loop_instructions']} {dict(row['top'])}"
             print(json.dumps(row) if a.json else f"{text:11s} {status:50s} {row['kernel']}", flush=True)

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from mxfx.kernels import mx
+from mxfx.kernels import mx, wgmma_guard
 from mxfx.kernels.launch import Launcher
 
 # One int32 word (8 E2M1 values, the K pairs of bytes 0..3) and its E8M0 scale byte s → four
@@ -494,6 +494,7 @@ def _moe_gemm_sm90(
 
 
 GEMM_SM90 = Launcher(_moe_gemm_sm90)
+wgmma_guard.guard("_moe_gemm_sm90")
 BLOCK_K = 128
 BLOCK_N2 = 64  # the kernel's output columns per program without a gated epilogue (GEMM2)
 

@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from mxfx.backends.base import ActivationQuant, MoEWeights
-from mxfx.kernels import mx, ptx_hints
+from mxfx.kernels import mx, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv
 from mxfx.kernels.moe_sm90 import _epilogue, _log2, _tables, _tile_row, _unpack_a, _w_layout, _weight_rows
 
@@ -477,6 +477,7 @@ def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.co
 
 GEMM_SM90_WS = Launcher(_moe_gemm_sm90_ws)
 ptx_hints.l2_prefetch_128b("_moe_gemm_sm90_ws")
+wgmma_guard.guard("_moe_gemm_sm90_ws")
 _DOT_ORDER = Launcher(_dot_order_kernel)
 
 
@@ -501,10 +502,12 @@ def dot_order(x: torch.Tensor, aq: ActivationQuant = ActivationQuant()) -> torch
 
 def fits(weights: MoEWeights, pairs: int, hidden: int, inter: int) -> bool:
     """Whether the weights' packed rows can be copied in 16-byte pieces (aligned, unit stride
-    along K), and the dot-ordered inputs of ``pairs`` rows (x and the intermediate) have fewer
-    than 2^31 elements (the producer's offsets are int32); the kernel's other conditions are
-    :func:`mxfx.kernels.moe.hopper_fits`'."""
-    return (pairs * padded(max(hidden, inter)) < 2**31
+    along K), the dot-ordered inputs of ``pairs`` rows (x and the intermediate) have fewer
+    than 2^31 elements (the producer's offsets are int32), and both GEMMs' K loops take more
+    than one step (K > 128): with one, ptxas left a wgmma's descriptor registers unwritten on
+    the path of blocks over 32 rows (K = 64, 96; :mod:`mxfx.kernels.wgmma_guard` refuses such
+    binaries). The kernel's other conditions are :func:`mxfx.kernels.moe.hopper_fits`'."""
+    return (min(hidden, inter) > 128 and pairs * padded(max(hidden, inter)) < 2**31
             and all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in w.stride()[:-1])
                     for w in (weights.w13, weights.w2)))
 

@@ -3,14 +3,13 @@
 Gluon's ``async_copy_global_to_shared`` emits ``cp.async.cg.shared.global`` without the L2
 prefetch-size qualifier, and nothing in its API adds one. :func:`l2_prefetch_128b` registers a
 kernel whose copies then carry ``.L2::128B``, so an L2 miss fetches the whole 128-byte line
-rather than the sectors asked for. The rewrite runs in Triton's ``ptx`` stage, through its
-``knobs.runtime.add_stages_inspection_hook`` (chained to a hook already there), on kernels
-compiled after the registration, CUDA only. A kernel compiled with the hook replaced by
-someone else's is right, only without the hint.
+rather than the sectors asked for. The rewrite runs in Triton's ``ptx`` stage
+(:mod:`mxfx.kernels.stage_hooks`), on kernels compiled after the registration, CUDA only. A
+kernel compiled with the hook replaced by someone else's is right, only without the hint.
 """
 from __future__ import annotations
 
-from triton import knobs
+from mxfx.kernels import stage_hooks
 
 _KERNELS: set[str] = set()
 _COPY = "cp.async.cg.shared.global "
@@ -22,27 +21,15 @@ def rewrite(ptx: str) -> str:
     return ptx.replace(_COPY, _HINTED)
 
 
-def _hook(previous):
-    def add_stages(backend, stages, options, language, capability):
-        if previous is not None:
-            previous(backend, stages, options, language, capability)
-        make_ptx = stages.get("ptx")
-        if make_ptx is None:
-            return
+def _hinting(make_ptx):
+    def ptx(src, metadata):
+        out = make_ptx(src, metadata)
+        return rewrite(out) if metadata.get("name") in _KERNELS else out
 
-        def ptx(src, metadata):
-            out = make_ptx(src, metadata)
-            return rewrite(out) if metadata.get("name") in _KERNELS else out
-
-        stages["ptx"] = ptx
-
-    add_stages.mxfx = True
-    return add_stages
+    return ptx
 
 
 def l2_prefetch_128b(kernel_name: str) -> None:
     """Give the cp.async copies of the kernel whose entry is ``kernel_name`` ``.L2::128B``."""
     _KERNELS.add(kernel_name)
-    current = knobs.runtime.add_stages_inspection_hook
-    if not getattr(current, "mxfx", False):
-        knobs.runtime.add_stages_inspection_hook = _hook(current)
+    stage_hooks.install("ptx_hints", "ptx", _hinting)

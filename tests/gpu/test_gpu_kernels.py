@@ -341,7 +341,7 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
     [
         (300, 8, 2880, 2880, 4, GPT_OSS, 160),  # ~150 rows per expert: 128- and 32-wide MMAs
         (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 160),  # halves layout, K tail 96
-        (70, 2, 224, 96, 2, SILU_AND_MUL, 160),  # no limit; K = 224, 96: one step and less
+        (70, 2, 224, 160, 2, SILU_AND_MUL, 160),  # no limit; K = 224, 160: two steps, tails of 96 and 32
         (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64),  # E = 1: 40 rows in one block
         (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # 4.5 rows per expert: 16-wide MMAs
         (600, 4, 2880, 352, 1, GPT_OSS, 160),  # every token on expert 0
@@ -376,6 +376,22 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
         calls.clear()
         _check(fn, T, E, H, I, k, torch.bfloat16, act, **kw)
         assert not calls
+
+
+@pytest.mark.parametrize("H,I", [(224, 96), (96, 224)])
+def test_one_step_k_loops_are_not_warp_specialized(monkeypatch, H, I):
+    """A GEMM whose K loop is one step (K <= 128) is not given to the warp-specialized kernel,
+    whose binaries ptxas miscompiled there (mxfx.kernels.wgmma_guard); 30 rows per expert take
+    moe_sm90's wgmma on 32-row blocks instead, right."""
+    from mxfx.kernels import moe_sm90, moe_sm90_ws
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
+    ws = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
+    sm90 = _spy(monkeypatch, moe_sm90.GEMM_SM90)
+    _check(moe.fused_moe, 60, 4, H, I, 2, torch.bfloat16, SILU_AND_MUL)
+    assert not ws and [m["BLOCK_M"] for m in sm90] == [32, 32]
 
 
 @pytest.mark.parametrize("T,case", [(1, "routed"), (1, "none routed"), (3, "routed"), (4, "repeated")])

@@ -5,7 +5,8 @@ registers: ``gdesc[URn]`` names URn..URn+3, A's descriptor in the first pair (wh
 shared memory) and B's in the second. ptxas once emitted, on one branch of a kernel, an HGMMA
 whose B descriptor registers were written only on the other branches: the MMA read a stale
 descriptor, an out-of-range shared address on the H200 for one shape (tools/PERF_LOG.md,
-session 17), possibly a wrong but valid slot for another. The PTX was well formed, so only the
+session 17), possibly a wrong but valid slot for another (:mod:`mxfx.kernels.wgmma_guard`
+checks every such kernel as it is compiled). The PTX was well formed, so only the
 SASS shows it. This is a must-be-written analysis over the SASS control-flow graph:
 conservative where it cannot see (a predicated write does not count; the targets of an
 indirect ``BRX``, the blocks nothing else branches to, start from the state after it).

@@ -1,0 +1,62 @@
+"""mxfx.kernels.wgmma_guard: Hopper binaries with unwritten wgmma descriptors are refused as
+they are compiled (the analysis itself: tests/test_sass_dataflow.py; every MoE kernel compiled
+through it for sm_90: tests/test_kernels_compile.py)."""
+import pytest
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+
+from mxfx.kernels import ptx_hints, wgmma_guard
+
+
+def _add_one(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+
+def _sm90_cubin() -> bytes:
+    # A JIT function even under TRITON_INTERPRET (CI), where triton.jit would interpret it.
+    src = triton.compiler.ASTSource(JITFunction(_add_one), signature={"x_ptr": "*fp32"}, constexprs={})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+def test_hook_checks_named_kernels_once_in_the_chain(monkeypatch):
+    calls, checked = [], []
+
+    def previous(backend, stages, options, language, capability):
+        calls.append(language)
+
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", previous)
+    monkeypatch.setattr(wgmma_guard, "_KERNELS", set())
+    monkeypatch.setattr(wgmma_guard, "check_cubin", lambda name, cubin: checked.append((name, cubin)))
+    wgmma_guard.guard("guarded_kernel")
+    ptx_hints.l2_prefetch_128b("guarded_kernel")
+    hook = knobs.runtime.add_stages_inspection_hook
+    wgmma_guard.guard("other_guarded_kernel")  # already in the chain: not installed again
+    assert knobs.runtime.add_stages_inspection_hook is hook
+    assert hook.mxfx_hooks == {"wgmma_guard", "ptx_hints"}
+    stages = {"ptx": lambda src, metadata: "", "cubin": lambda src, metadata: b"binary"}
+    hook(None, stages, None, "gluon", 90)
+    assert calls == ["gluon"]
+    for name in ("guarded_kernel", "plain_kernel", "other_guarded_kernel"):
+        assert stages["cubin"](None, {"name": name}) == b"binary"
+    assert checked == [("guarded_kernel", b"binary"), ("other_guarded_kernel", b"binary")]
+    amd = {"amdgcn": None}  # ROCm: no cubin stage, left alone
+    hook(None, amd, None, "gluon", None)
+    assert amd == {"amdgcn": None}
+
+
+def test_a_binary_is_refused_when_the_analysis_finds_an_unwritten_descriptor(monkeypatch):
+    cubin = _sm90_cubin()
+    wgmma_guard.check_cubin("_add_one", cubin)  # a real binary, disassembled: nothing to find
+    seen = []
+
+    def finds(sass):
+        seen.append(sass)
+        return ["0x2a1b0 HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR12], R24: UR[14, 15] not written on every path"]
+
+    monkeypatch.setattr(wgmma_guard, "unwritten_descriptor_reads", finds)
+    with pytest.raises(wgmma_guard.MiscompiledKernel, match=r"_add_one: .*0x2a1b0 HGMMA.*1 in all"):
+        wgmma_guard.check_cubin("_add_one", cubin)
+    assert "_add_one" in seen[0] and "LDG" in seen[0]  # it was given the binary's SASS
