@@ -6,8 +6,8 @@ for whichever shapes the miscompiled specialization serves. The compile-time tes
 model sizes; this checks every binary a registered kernel is actually compiled to, on the
 user's ptxas, once per compilation (Triton's cache then serves the checked binary). It runs in
 Triton's ``cubin`` stage (:mod:`mxfx.kernels.stage_hooks`), disassembling with the
-``cuobjdump`` Triton ships; where there is none, it warns and does not check. A refused binary raises :class:`MiscompiledKernel` from the
-launch that compiled it.
+``cuobjdump`` Triton ships; where there is none, it warns and does not check. A refused
+binary raises :class:`MiscompiledKernel` from the launch that compiled it.
 """
 from __future__ import annotations
 
@@ -53,17 +53,7 @@ def check_cubin(name: str, cubin: bytes) -> None:
                                 "Report the shape; a different ptxas (TRITON_PTXAS_PATH) may compile it right.")
 
 
-def _checking(make_cubin):
-    def cubin(src, metadata):
-        out = make_cubin(src, metadata)
-        if metadata.get("name") in _KERNELS:
-            check_cubin(metadata["name"], out)
-        return out
-
-    return cubin
-
-
 def guard(kernel_name: str) -> None:
     """Check every binary of the kernel whose entry is ``kernel_name`` as Triton compiles it."""
     _KERNELS.add(kernel_name)
-    stage_hooks.install("wgmma_guard", "cubin", _checking)
+    stage_hooks.install("wgmma_guard", "cubin", _KERNELS, check_cubin)
