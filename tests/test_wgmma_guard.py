@@ -60,3 +60,10 @@ def test_a_binary_is_refused_when_the_analysis_finds_an_unwritten_descriptor(mon
     with pytest.raises(wgmma_guard.MiscompiledKernel, match=r"_add_one: .*0x2a1b0 HGMMA.*1 in all"):
         wgmma_guard.check_cubin("_add_one", cubin)
     assert "_add_one" in seen[0] and "LDG" in seen[0]  # it was given the binary's SASS
+
+
+def test_without_cuobjdump_it_warns_and_does_not_check(monkeypatch):
+    monkeypatch.setattr(wgmma_guard, "_cuobjdump", lambda: None)
+    monkeypatch.setattr(wgmma_guard, "unwritten_descriptor_reads", lambda sass: ["would refuse"])
+    with pytest.warns(UserWarning, match="no cuobjdump"):
+        wgmma_guard.check_cubin("_add_one", b"not disassembled")

@@ -327,8 +327,8 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     where up to 4 rows per expert take 8-row blocks and mma.sync (no shared memory, no
     barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks). Past ``SYNC_MAX_ROWS`` rows
     per expert, on Hopper where the call allows it (``warp_specialized``: bf16, weight rows 16
-    bytes apart, both K over 128: :func:`mxfx.kernels.moe_sm90_ws.fits`), the warp-specialized kernel: up to ``WS_SMALL_ROWS`` rows in 64-row blocks
-    (gpt-oss-120b against 32-row blocks in moe_sm90, alternating runs: T=192 907-908 -> 814-815
+    bytes apart, both K over 128: :func:`mxfx.kernels.moe_sm90_ws.fits`), the warp-specialized
+    kernel: up to ``WS_SMALL_ROWS`` rows in 64-row blocks (gpt-oss-120b against 32-row blocks in moe_sm90, alternating runs: T=192 907-908 -> 814-815
     µs, T=256 911-917 -> 818-832, T=512 944-1009 -> 867-890, T=1024 1355-1411 -> 1057-1069;
     against 160-row blocks, T=1792 1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706; at
     T=128, 4 rows, mma.sync 635-637 against 804-806), past that in 160-row blocks (T=4096 ~2950

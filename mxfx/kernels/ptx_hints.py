@@ -21,15 +21,7 @@ def rewrite(ptx: str) -> str:
     return ptx.replace(_COPY, _HINTED)
 
 
-def _hinting(make_ptx):
-    def ptx(src, metadata):
-        out = make_ptx(src, metadata)
-        return rewrite(out) if metadata.get("name") in _KERNELS else out
-
-    return ptx
-
-
 def l2_prefetch_128b(kernel_name: str) -> None:
     """Give the cp.async copies of the kernel whose entry is ``kernel_name`` ``.L2::128B``."""
     _KERNELS.add(kernel_name)
-    stage_hooks.install("ptx_hints", "ptx", _hinting)
+    stage_hooks.install("ptx_hints", "ptx", _KERNELS, lambda name, ptx: rewrite(ptx))
