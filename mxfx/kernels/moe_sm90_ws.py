@@ -31,9 +31,10 @@ partitions:
   consumers keep the tensor cores busier: three rather than two in 160-row blocks, T=2048
   1453-1459 -> 1313-1314 µs, T=4096 2035-2039 -> 1902-1904. (Two 64-row sub-tiles per
   consumer instead, halving the activation traffic per MMA, changed nothing: 2073 -> 2098-2110.)
-  Every MMA retires within its step: ptxas does not order the next step's writes of the
-  fragment registers after an MMA still in flight across the loop's back edge, which gave
-  NaNs on the H200.
+  Steps run in pairs, the second's unpack under the first's MMAs, and every MMA retires
+  within its pair: ptxas does not order the next step's writes of the fragment registers after
+  an MMA still in flight across the loop's back edge, which gave NaNs on the H200, and once
+  the fragments are named in the waits it serializes every wgmma instead (C7512).
 - The activations arrive by cp.async in 16-byte pieces, which cannot permute K, so both GEMM
   inputs are kept in the dot's K order: x by :func:`dot_order` (a ``[T, padded(H)]``
   temporary), the intermediate by GEMM1's epilogue (``DOT_ORDER_OUT``), each padded with
@@ -79,6 +80,11 @@ SMALL_BLOCK_M = 64
 # each in 64-row blocks (and 80 registers at launch), alternating runs: T=1024 1051-1055 ->
 # 1027-1028 µs, T=1536 1197-1198 -> 1148-1152, T=512 874-880 -> 860-862.
 CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
+# A consumer's K steps per wait for all its MMAs (_consume's STEPS_PER_WAIT; the steps of a
+# group overlap one another's MMAs, the last one's are drained): pairs in 64-row blocks, single
+# steps in 160-row ones. gpt-oss-120b, alternating runs, steps of one / two / three: T=256 805 /
+# 776 / 785 µs, T=512 848-852 / 829-838 / 883-886, T=1024 1019-1020 / 1008-1012 / 1046; in
+# 160-row blocks T=2048 1319 / 1350-1356 / 1398-1399, T=4096 1913 / 1992-1994 / 2025-2028.
 
 
 def _stages(block_m: int, gated: bool) -> int:
@@ -163,11 +169,78 @@ def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e6
 
 
 @gluon.jit
+def _steps(i0, n: gl.constexpr, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, empty, acc, acc2, tables,
+           K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, WH: gl.constexpr,
+           A_L: gl.constexpr, TWO: gl.constexpr):
+    """K steps ``i0`` to ``i0 + n - 1`` (:func:`_step`), each issued while the one before's
+    MMAs run; then every MMA waited for and the last step's slot freed. Returns the
+    accumulators and the next step's scales."""
+    acc, acc2, f0, f1, sc = _step(i0, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2, tables,
+                                  K, G, MR, STAGES, WH, A_L, TWO)
+    for j in gl.static_range(1, n):
+        acc, acc2, f0, f1, sc = _step(i0 + j, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2,
+                                      tables, K, G, MR, STAGES, WH, A_L, TWO, f0, f1, empty)
+    if TWO:
+        acc, acc2, f0, f1 = warpgroup_mma_wait(0, deps=[acc, acc2, f0, f1])
+    else:
+        acc, f0, f1 = warpgroup_mma_wait(0, deps=[acc, f0, f1])
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((g + i0 + n - 1) % STAGES))
+    return acc, acc2, sc
+
+
+@gluon.jit
+def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2, tables, K: gl.constexpr,
+          G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, WH: gl.constexpr, A_L: gl.constexpr,
+          TWO: gl.constexpr, p0=None, p1=None, empty=None):
+    """K step ``i`` of the ring (``g`` as in :func:`_produce`): its two halves unpacked and
+    their MMAs issued (``acc``, and ``acc2`` where ``TWO``), left in flight; returns the
+    halves' fragments and the next step's scales. ``p0``, ``p1``: the step before's fragments,
+    whose MMAs are still in flight: each is waited for just before this step's MMA of the same
+    half is issued (so that the step's unpack runs while they do), then ``empty`` frees the step
+    before's slot."""
+    s = (g + i) % STAGES
+    mbarrier.wait(ready.index(s), ((g + i) // STAGES) & 1)
+    fence_async_shared()
+    sc_next = gl.load(s_rows + ((i + 1) * 4 + sg), mask=(i + 1) * 4 + sg < K // 32, other=127)
+    if G < 2:
+        w = w_smem.index(s).slice(64 * G, 64).load(_ring_words_layout(64))
+    else:
+        w = w2_smem.index(s).slice(64 * G - 128, 64).load(_ring_words_layout(64))
+    w = gl.reshape(w, [64, 1, 4, 2, 2])
+    w0, w1 = gl.split(gl.permute(w, [0, 1, 2, 4, 3]))
+    x = x_smem.index(s).slice(0, MR)
+    x2 = x2_smem.index(s)
+    f0 = _unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+    if p0 is not None:  # the step before's first half retires, its second stays in flight
+        if TWO:
+            acc, acc2, p0 = warpgroup_mma_wait(2, deps=[acc, acc2, p0])
+        else:
+            acc, p0 = warpgroup_mma_wait(1, deps=[acc, p0])
+    acc = warpgroup_mma(f0, x.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
+    if TWO:
+        acc2 = warpgroup_mma(f0, x2.slice(0, 64, dim=1).permute((1, 0)), acc2, is_async=True)
+    f1 = _unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+    if p0 is not None:  # then its second: once every warp is past the wait, its slot is free
+        if TWO:
+            acc, acc2, p1 = warpgroup_mma_wait(2, deps=[acc, acc2, p1])
+        else:
+            acc, p1 = warpgroup_mma_wait(1, deps=[acc, p1])
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((g + i - 1) % STAGES))
+    acc = warpgroup_mma(f1, x.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+    if TWO:
+        acc2 = warpgroup_mma(f1, x2.slice(64, 64, dim=1).permute((1, 0)), acc2, is_async=True)
+    return acc, acc2, f0, f1, sc_next
+
+
+@gluon.jit
 def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
              stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
              stride_om, N, up_offset, alpha, beta, limit, K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr,
              MR2: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
-             HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr):
+             HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
+             STEPS_PER_WAIT: gl.constexpr):
     """Warpgroup ``G``'s K loop over the ring (its 64 of the slot's weight rows) and the
     epilogue of its tile of the block whose pairs start at ``pairs_ptr`` (``MR`` rows, and
     ``MR2`` more from ``x2_smem`` by a second MMA on the same fragments); ``g`` as in
@@ -193,42 +266,19 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
                         layout=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, MR2, 16]))
     # The scales (a byte per row and segment) come from global memory, one step ahead.
     sc = gl.load(s_rows + sg, mask=sg < K // 32, other=127)
-    for i in range(NS):
-        s = (g + i) % STAGES
-        mbarrier.wait(ready.index(s), ((g + i) // STAGES) & 1)
-        # The copies wrote the slot through the generic proxy; the wgmma reads it through the
-        # async one. (The fence waits for this thread's loads in flight: the scale prefetch
-        # comes after it.)
-        fence_async_shared()
-        sc_next = gl.load(s_rows + ((i + 1) * 4 + sg), mask=(i + 1) * 4 + sg < K // 32, other=127)
-        # Words 2h, 2h + 1 of each segment are the step's columns [64h, 64h + 64) in the dot's
-        # order: half 1 is unpacked while the MMA of half 0 runs.
-        if G < 2:
-            w = w_smem.index(s).slice(64 * G, 64).load(_ring_words_layout(64))
-        else:
-            w = w2_smem.index(s).slice(64 * G - 128, 64).load(_ring_words_layout(64))
-        w = gl.reshape(w, [64, 1, 4, 2, 2])
-        w0, w1 = gl.split(gl.permute(w, [0, 1, 2, 4, 3]))
-        x = x_smem.index(s).slice(0, MR)
-        a0 = _unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
-        acc = warpgroup_mma(a0, x.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
-        if MR2 > 0:
-            acc2 = warpgroup_mma(a0, x2_smem.index(s).slice(0, 64, dim=1).permute((1, 0)), acc2, is_async=True)
-        a1 = _unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
-        acc = warpgroup_mma(a1, x.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
-        # (Then the second MMA's half.) Every MMA is retired before the next step writes the
-        # fragments' registers: ptxas does not order those writes after an in-flight wgmma
-        # across the loop's back edge (NaNs on the H200 with one MMA left in flight). The other
-        # warpgroup's MMAs overlap this one's unpack.
-        if MR2 > 0:
-            acc2 = warpgroup_mma(a1, x2_smem.index(s).slice(64, 64, dim=1).permute((1, 0)), acc2, is_async=True)
-            acc, acc2, a0, a1 = warpgroup_mma_wait(0, deps=[acc, acc2, a0, a1])
-        else:
-            acc, a0, a1 = warpgroup_mma_wait(0, deps=[acc, a0, a1])
-        # Every warp of the warpgroup is past its wait before one thread frees the slot.
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(s))
-        sc = sc_next
+    TWO: gl.constexpr = MR2 > 0  # a second MMA on each fragment
+    if not TWO:
+        acc2 = acc  # (a placeholder, never multiplied into)
+    # Steps in groups of STEPS_PER_WAIT: each one's unpack runs while the step before's MMAs
+    # do, and the group ends waiting for all of them. (Fragments left in flight across the
+    # loop's back edge: ptxas serializes every wgmma, C7512, even at 232 registers; a group
+    # per iteration keeps them inside.)
+    for ig in range(NS // STEPS_PER_WAIT):
+        acc, acc2, sc = _steps(STEPS_PER_WAIT * ig, STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem,
+                               ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
+    if NS % STEPS_PER_WAIT:
+        acc, acc2, sc = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem,
+                               x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
     _epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT)
@@ -288,6 +338,9 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, 
               ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, G: gl.constexpr):
     NS: gl.constexpr = (K + 127) // 128
     EXTRA: gl.constexpr = BLOCK_M - 128
+    # Pairs (see CONSUMERS) only where the K loop runs more than once: with one iteration of a
+    # pair, ptxas left a wgmma's descriptor registers unwritten on one path (K = 160, 224, 352).
+    STEPS: gl.constexpr = 2 if BLOCK_M <= 64 and (K + 127) // 128 >= 4 else 1
     g = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, (32 if GATED else 64) * NC)
@@ -302,32 +355,32 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, 
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 16, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif nrows <= 32:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 32, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif nrows <= 96:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, EXTRA, STAGES,
-                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             elif nrows <= 128:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             else:
                 _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
                          out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, EXTRA, STAGES,
-                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT)
+                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
             g += NS
 
 
