@@ -85,6 +85,7 @@ CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
 # steps in 160-row ones. gpt-oss-120b, alternating runs, steps of one / two / three: T=256 805 /
 # 776 / 785 µs, T=512 848-852 / 829-838 / 883-886, T=1024 1019-1020 / 1008-1012 / 1046; in
 # 160-row blocks T=2048 1319 / 1350-1356 / 1398-1399, T=4096 1913 / 1992-1994 / 2025-2028.
+# As landed (pairs where K > 384), one / two: T=256 797-798 / 771-773, T=512 840-844 / 820-824.
 
 
 def _stages(block_m: int, gated: bool) -> int:
