@@ -48,7 +48,7 @@ def test_every_kernel_compiles_for(target):
     native = target in ("cuda:100", "hip:gfx950")
     assert {row["kernel"].split()[0] for row in rows} == (
         KERNELS | ({"_moe_gemm_sm90"} if target == "cuda:90" else set()) | ({"_quantize_kernel"} if native else set()))
-    assert all(row["cp_async"]["L2::128B"] == 0 for row in rows if "cp_async" in row)
+    assert all(row[key]["L2::128B"] == 0 for row in rows for key in ("cp_async", "ld_global") if key in row)
     scaled = {fmt for row in rows for fmt in (1, 2) if f"'A_FMT': {fmt}" in row["kernel"]}
     assert scaled == ({1, 2} if native else set())
     assert len(rows) > 50  # MoE GEMM variants: dtypes, weight kinds, tile regimes, epilogues
@@ -71,8 +71,10 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate)
     assert rows and not bad, "\n".join(bad) or r.stderr[-2000:]
     assert r.returncode == 0, r.stderr[-2000:]
     assert {"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel"} <= {row["kernel"].split()[0] for row in rows}
-    # The warp-specialized kernel's copies carry the L2 prefetch hint (ptx_hints), no other kernel's.
-    copies = [(row["kernel"].split()[0], row["cp_async"]) for row in rows if "cp_async" in row]
-    assert all(c["all"] > 0 and c["L2::128B"] == (c["all"] if name == "_moe_gemm_sm90_ws" else 0)
-               for name, c in copies), copies
-    assert "_moe_gemm_sm90_ws" in {name for name, _ in copies}
+    # The warp-specialized kernel's copies and loads carry the L2 prefetch hint (ptx_hints), no
+    # other kernel's.
+    for key in ("cp_async", "ld_global"):
+        found = [(row["kernel"].split()[0], row[key]) for row in rows if key in row]
+        assert all(c["all"] > 0 and c["L2::128B"] == (c["all"] if name == "_moe_gemm_sm90_ws" else 0)
+                   for name, c in found), (key, found)
+        assert "_moe_gemm_sm90_ws" in {name for name, _ in found}, key

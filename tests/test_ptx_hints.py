@@ -1,5 +1,5 @@
-"""The PTX rewrite of :mod:`mxfx.kernels.ptx_hints`: only the named kernels' cp.async copies get
-``.L2::128B``, and a stages hook installed before mxfx's still runs."""
+"""The PTX rewrite of :mod:`mxfx.kernels.ptx_hints`: only the named kernels' cp.async copies and
+plain global loads get ``.L2::128B``, and a stages hook installed before mxfx's still runs."""
 from __future__ import annotations
 
 import pytest
@@ -12,14 +12,22 @@ from mxfx.kernels import ptx_hints  # noqa: E402
 
 PTX = ("cp.async.cg.shared.global [%r1+0], [%rd2+0], 0x10, %r3;\n"
        "cp.async.ca.shared.global [%r1+0], [%rd2+0], 0x4;\n"
-       "ld.global.v4.b32 {%r4, %r5, %r6, %r7}, [%rd8+0];\n")
+       "ld.global.v4.b32 {%r4, %r5, %r6, %r7}, [%rd8+0];\n"
+       "@%p1 ld.global.cg.u8 %rs1, [%rd9+0];\n"
+       "ld.global.nc.b32 %r10, [%rd11+0];\n"
+       "ld.global.L1::evict_last.b16 %rs2, [%rd12+0];\n"
+       "ld.shared.b32 %r13, [%r14];\n")
 
 
-def test_rewrite_hints_the_cg_copies_only():
-    out = ptx_hints.rewrite(PTX)
-    assert "cp.async.cg.shared.global.L2::128B [%r1+0], [%rd2+0], 0x10, %r3;" in out
-    # The 4-byte .ca copies and plain loads have no such form here: left as they are.
-    assert out.splitlines()[1:] == PTX.splitlines()[1:]
+def test_rewrite_hints_cg_copies_and_plain_loads():
+    out = ptx_hints.rewrite(PTX).splitlines()
+    assert out[0] == "cp.async.cg.shared.global.L2::128B [%r1+0], [%rd2+0], 0x10, %r3;"
+    # The qualifier goes after a cache operator and before the vector width, as PTX orders them.
+    assert out[2:4] == ["ld.global.L2::128B.v4.b32 {%r4, %r5, %r6, %r7}, [%rd8+0];",
+                        "@%p1 ld.global.cg.L2::128B.u8 %rs1, [%rd9+0];"]
+    # The 4-byte .ca copies have no such form, loads qualified otherwise are left to their
+    # author, and shared memory has no L2: left as they are.
+    assert [out[1]] + out[4:] == [PTX.splitlines()[1]] + PTX.splitlines()[4:]
 
 
 def test_hook_rewrites_named_kernels_and_chains(monkeypatch):

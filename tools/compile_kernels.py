@@ -12,8 +12,8 @@ first look at a variant's arithmetic cost before timing it on a GPU (with a mode
 so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from Triton's cache,
 so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
 registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``). A CUDA
-kernel's cp.async copies are counted, with those carrying ``.L2::128B`` (``cp_async`` in
-``--json``; see :mod:`mxfx.kernels.ptx_hints`). A Hopper kernel whose binary
+kernel's cp.async copies and plain global loads are counted, with those carrying ``.L2::128B``
+(``cp_async``, ``ld_global`` in ``--json``; see :mod:`mxfx.kernels.ptx_hints`). A Hopper kernel whose binary
 :mod:`mxfx.kernels.wgmma_guard` refuses (an HGMMA reading descriptor registers that some path
 leaves unwritten) fails with ``MiscompiledKernel``.
 
@@ -53,6 +53,9 @@ from mxfx.kernels import activation, launch, moe, moe_sm90, mx, routing  # noqa:
 
 DEFAULT_TARGETS = ("cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950")
 _OPTIONS = ("num_warps", "num_stages", "debug")
+# What mxfx.kernels.ptx_hints may give .L2::128B (the group is the hint): cp.async copies, plain loads.
+_HINTABLE = {"cp_async": r"cp\.async\.cg\.shared\.global(\.L2::128B)? ",
+             "ld_global": r"\bld\.global(?:\.c[ags])?(\.L2::128B)?(?:\.v[248])?\.[bfsu]\d+ "}
 
 
 def parse_target(text: str) -> GPUTarget:
@@ -201,9 +204,11 @@ def main(argv=None) -> int:
                 if serialized:
                     row["serialized_wgmma"] = serialized
                 if target.backend == "cuda":
-                    copies = re.findall(r"cp\.async\.cg\.shared\.global(\.L2::128B)? ", compiled.asm["ptx"])
-                    if copies:
-                        row["cp_async"] = {"L2::128B": sum(1 for c in copies if c), "all": len(copies)}
+                    ptx = compiled.asm["ptx"]
+                    for key, pattern in _HINTABLE.items():
+                        found = re.findall(pattern, ptx)
+                        if found:
+                            row[key] = {"L2::128B": sum(1 for hint in found if hint), "all": len(found)}
                 if a.sass and target.backend == "cuda":
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so

@@ -21,6 +21,8 @@ partitions:
   each weight row, half an L2 line, and with the hint the miss fetches the whole line, so the
   next step's half is an L2 hit (H200, graph µs, gpt-oss-120b, two A/B runs: T=512 871-875 ->
   837-844 and 874-875 -> 848-851; T=2048 1330-1332 -> 1306-1307 and 1323-1334 -> 1321-1322).
+  So do the consumers' loads of the scales (4 bytes of each row a step, the rows K/32 bytes
+  apart): T=256 778-779 -> 761-762, T=512 836-840 -> 826-830, T=1024 1017-1020 -> 1010-1012.
 - Consumers (a warpgroup each, 64 of the weight rows) read their words from the ring,
   unpack them and multiply by wgmma against the activation slot, each freeing the slot once
   its MMAs have retired. A consumer unpacks the second half of a step while the MMA of the
@@ -410,7 +412,7 @@ def _moe_gemm_sm90_ws(
     NC: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
-    COPY_L2_BYTES: gl.constexpr,
+    L2_PREFETCH_BYTES: gl.constexpr,
 ):
     # x (dot-ordered, padded), the words (16-byte aligned rows) and out (along N) have unit
     # strides, checked by the caller.
@@ -418,8 +420,9 @@ def _moe_gemm_sm90_ws(
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 160))  # the rows the MMA widths cover (SMALL_BLOCK_M, BLOCK_M)
     gl.static_assert(NC == 3)  # the partition list below
-    # ptx_hints adds the qualifier after compilation; as a parameter it keys the binary caches.
-    gl.static_assert(COPY_L2_BYTES == 128)
+    # ptx_hints adds the qualifier to copies and loads after compilation; as a parameter it keys
+    # the binary caches.
+    gl.static_assert(L2_PREFETCH_BYTES == 128)
     # A block's first 128 rows and the rest (see BLOCK_M).
     X_ROWS: gl.constexpr = min(BLOCK_M, 128)
     ROWS: gl.constexpr = 64 * NC  # a tile's weight rows
@@ -521,7 +524,7 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     GEMM_SM90_WS[(min(num_tiles, _num_sms(args[0].device)),)](
         *args, num_tiles, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
         DOT_ORDER_OUT=dot_order_out, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS,
-        COPY_L2_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
+        L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
 
 
 @functools.lru_cache(maxsize=None)

@@ -347,6 +347,7 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
         (600, 4, 2880, 352, 1, GPT_OSS, 160),  # every token on expert 0
         (144, 4, 2880, 352, 1, GPT_OSS, 64),  # all on expert 0 in 64-row blocks: 64-, 64- and 16-wide MMAs
         (130, 8, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # ~32 rows per expert: 32- and 64-wide
+        (130, 8, 512, 640, 2, SILU_AND_MUL, 64),  # K steps in pairs: 4 steps (two pairs), 5 (and one)
         (1000, 4, 160, 224, 2, SILU_AND_MUL, 160),  # ~500 rows per expert: 160-row blocks and a 32-wide tail
     ],
 )
