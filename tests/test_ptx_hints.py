@@ -28,6 +28,8 @@ def test_rewrite_hints_cg_copies_and_plain_loads():
     # The 4-byte .ca copies have no such form, loads qualified otherwise are left to their
     # author, and shared memory has no L2: left as they are.
     assert [out[1]] + out[4:] == [PTX.splitlines()[1]] + PTX.splitlines()[4:]
+    # A second pass adds nothing (the hint is there once).
+    assert ptx_hints.rewrite(ptx_hints.rewrite(PTX)) == ptx_hints.rewrite(PTX)
 
 
 def test_hook_rewrites_named_kernels_and_chains(monkeypatch):

@@ -13,9 +13,9 @@ so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from 
 so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
 registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``). A CUDA
 kernel's cp.async copies and plain global loads are counted, with those carrying ``.L2::128B``
-(``cp_async``, ``ld_global`` in ``--json``; see :mod:`mxfx.kernels.ptx_hints`). A Hopper kernel whose binary
-:mod:`mxfx.kernels.wgmma_guard` refuses (an HGMMA reading descriptor registers that some path
-leaves unwritten) fails with ``MiscompiledKernel``.
+(``cp_async``, ``ld_global`` in ``--json``; see :mod:`mxfx.kernels.ptx_hints`). A Hopper
+kernel whose binary :mod:`mxfx.kernels.wgmma_guard` refuses (an HGMMA reading descriptor
+registers that some path leaves unwritten) fails with ``MiscompiledKernel``.
 
     python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
     python tools/compile_kernels.py --target cuda:90 --sass --hidden 2880 --intermediate 2880
@@ -49,13 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mxfx.activation import GPT_OSS, SILU_AND_MUL, minimax_m3  # noqa: E402
 from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
-from mxfx.kernels import activation, launch, moe, moe_sm90, mx, routing  # noqa: E402
+from mxfx.kernels import activation, launch, moe, moe_sm90, mx, ptx_hints, routing  # noqa: E402
 
 DEFAULT_TARGETS = ("cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950")
 _OPTIONS = ("num_warps", "num_stages", "debug")
-# What mxfx.kernels.ptx_hints may give .L2::128B (the group is the hint): cp.async copies, plain loads.
-_HINTABLE = {"cp_async": r"cp\.async\.cg\.shared\.global(\.L2::128B)? ",
-             "ld_global": r"\bld\.global(?:\.c[ags])?(\.L2::128B)?(?:\.v[248])?\.[bfsu]\d+ "}
+
 
 
 def parse_target(text: str) -> GPUTarget:
@@ -205,10 +203,10 @@ def main(argv=None) -> int:
                     row["serialized_wgmma"] = serialized
                 if target.backend == "cuda":
                     ptx = compiled.asm["ptx"]
-                    for key, pattern in _HINTABLE.items():
-                        found = re.findall(pattern, ptx)
+                    for key, pattern in (("cp_async", ptx_hints.COPY), ("ld_global", ptx_hints.LOAD)):
+                        found = pattern.findall(ptx)
                         if found:
-                            row[key] = {"L2::128B": sum(1 for hint in found if hint), "all": len(found)}
+                            row[key] = {"L2::128B": sum(1 for m in found if m[1]), "all": len(found)}
                 if a.sass and target.backend == "cuda":
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so

@@ -15,17 +15,17 @@ import re
 from mxfx.kernels import stage_hooks
 
 _KERNELS: set[str] = set()
-_COPY = "cp.async.cg.shared.global "
-_HINTED = "cp.async.cg.shared.global.L2::128B "
-# A load with no qualifier but a cache operator: the hint goes between that and the vector
-# width (PTX's order); loads already qualified otherwise (.nc, eviction priorities) are left.
-_LOAD = re.compile(r"\bld\.global((?:\.c[ags])?)((?:\.v[248])?\.[bfsu]\d+ )")
+# cp.async copies, and loads with no qualifier but a cache operator (the hint goes between that
+# and the vector width, PTX's order; loads qualified otherwise, .nc or an eviction priority, are
+# left). Group 2 is the hint where one is there already: tools/compile_kernels.py counts them.
+COPY = re.compile(r"(cp\.async\.cg\.shared\.global)(\.L2::128B)? ")
+LOAD = re.compile(r"(\bld\.global(?:\.c[ags])?)(\.L2::128B)?((?:\.v[248])?\.[bfsu]\d+ )")
 
 
 def rewrite(ptx: str) -> str:
     """``ptx`` with every ``cp.async.cg.shared.global`` and plain ``ld.global`` given
-    ``.L2::128B``."""
-    return _LOAD.sub(r"ld.global\1.L2::128B\2", ptx.replace(_COPY, _HINTED))
+    ``.L2::128B`` (once)."""
+    return LOAD.sub(r"\1.L2::128B\3", COPY.sub(r"\1.L2::128B ", ptx))
 
 
 def l2_prefetch_128b(kernel_name: str) -> None:
