@@ -4,8 +4,10 @@ the other kernel tests never runs Triton's compiler, and ROCm cannot be run here
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,31 @@ pytest.importorskip("triton")
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "compile_kernels.py"
 KERNELS = {"_moe_gemm", "_sum_slots", "_place_kernel", "_count_kernel", "_gated_activation_kernel",
            "_qdq_kernel", "_dequant_kernel"}
+
+
+TARGETS = ["cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950"]
+MODEL_SIZES = [(2880, 2880), (352, 160)]
+
+
+def _tool_args(params: dict) -> tuple[str, ...]:
+    """The tool's arguments for a test of this file parametrized with ``params``."""
+    if "target" in params:
+        return ("--target", params["target"])
+    return ("--target", "cuda:90", "--hidden", str(params["hidden"]), "--intermediate", str(params["intermediate"]))
+
+
+@pytest.fixture(scope="module")
+def tool_runs(request):
+    """Every tool run the selected tests of this file need, started together and run as many
+    at a time as there are CPUs: each is a single-threaded compiler, and in turn they took
+    most of CI's time (500 s of 626 on 2 cores). Maps the arguments to the finished process."""
+    wanted = {_tool_args(item.callspec.params) for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {args: pool.submit(subprocess.run, [sys.executable, str(TOOL), *args, "--json"],
+                                     capture_output=True, text=True, timeout=900)
+                   for args in sorted(wanted)}
+        yield {args: f.result for args, f in futures.items()}
 
 
 def test_serialized_wgmma_is_read_from_the_ptxas_log():
@@ -31,10 +58,9 @@ def test_serialized_wgmma_is_read_from_the_ptxas_log():
     assert json.loads(r.stdout.splitlines()[-1]) == [[log[0].strip()], []]
 
 
-@pytest.mark.parametrize("target", ["cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950"])
-def test_every_kernel_compiles_for(target):
-    r = subprocess.run([sys.executable, str(TOOL), "--target", target, "--json"],
-                       capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_compiles_for(target, tool_runs):
+    r = tool_runs[_tool_args({"target": target})]()
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     failed = [f"{row['kernel']}: {row['error']}" for row in rows if "error" in row]
     assert not failed, "\n".join(failed)
@@ -54,8 +80,8 @@ def test_every_kernel_compiles_for(target):
     assert len(rows) > 50  # MoE GEMM variants: dtypes, weight kinds, tile regimes, epilogues
 
 
-@pytest.mark.parametrize("hidden,intermediate", [(2880, 2880), (352, 160)])
-def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate):
+@pytest.mark.parametrize("hidden,intermediate", MODEL_SIZES)
+def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate, tool_runs):
     """At a model's sizes the K loops are loops (gpt-oss: H = I = 2880, 22.5 K steps; a
     tensor-parallel shard: K = 352 and 160, a few steps with tails), where ptxas may serialize
     wgmma for want of registers or on fragments left in flight across the back edge; at the
@@ -63,8 +89,7 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate)
     descriptor registers that a path to it leaves unwritten (``mxfx.kernels.wgmma_guard`` fails
     the compilation: ptxas once did, and the MMA read an out-of-range shared address on the
     H200)."""
-    r = subprocess.run([sys.executable, str(TOOL), "--target", "cuda:90", "--hidden", str(hidden),
-                        "--intermediate", str(intermediate), "--json"], capture_output=True, text=True, timeout=900)
+    r = tool_runs[_tool_args({"hidden": hidden, "intermediate": intermediate})]()
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     bad = [f"{row['kernel']}: {row.get('error') or row['serialized_wgmma']}" for row in rows
            if "error" in row or "serialized_wgmma" in row]

@@ -452,5 +452,8 @@ def test_moe_more_slots_than_local_experts():
     one = torch.ops.mxfx.moe(
         x, tw * keep, ids.clamp(min=0), w13, None, None, w2, None, None
     )
-    torch.testing.assert_close(out, one)
+    # The zero-weight slots add rows to expert 0's matmuls, and the CPU's BLAS may then block
+    # the sums differently (seen on AMD EPYC: 1.7e-6 relative); a dropped or extra slot
+    # would be off by the size of the output itself.
+    torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-4)
     assert out[3].abs().max() == 0

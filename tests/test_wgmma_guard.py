@@ -1,6 +1,10 @@
 """mxfx.kernels.wgmma_guard: Hopper binaries with unwritten wgmma descriptors are refused as
 they are compiled (the analysis itself: tests/test_sass_dataflow.py; every MoE kernel compiled
 through it for sm_90: tests/test_kernels_compile.py)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import triton
 import triton.language as tl
@@ -15,10 +19,23 @@ def _add_one(x_ptr):
     tl.store(x_ptr, tl.load(x_ptr) + 1.0)
 
 
-def _sm90_cubin() -> bytes:
+def compile_sm90() -> bytes:
     # A JIT function even under TRITON_INTERPRET (CI), where triton.jit would interpret it.
     src = triton.compiler.ASTSource(JITFunction(_add_one), signature={"x_ptr": "*fp32"}, constexprs={})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+def _sm90_cubin(tmp_path) -> bytes:
+    """:func:`compile_sm90` in a fresh process: in this one, under TRITON_INTERPRET, an earlier
+    test's interpreted kernel can leave ``tl.tensor``'s operators patched (seen in CI on a
+    whole run, never on this file alone), and compiling ``_add_one`` then fails."""
+    out = tmp_path / "add_one.cubin"
+    code = ("import importlib.util as u; "
+            f"s = u.spec_from_file_location('wgmma_guard_test', {__file__!r}); m = u.module_from_spec(s); "
+            f"s.loader.exec_module(m); open({str(out)!r}, 'wb').write(m.compile_sm90())")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    return out.read_bytes()
 
 
 def test_hook_checks_named_kernels_once_in_the_chain(monkeypatch):
@@ -47,8 +64,8 @@ def test_hook_checks_named_kernels_once_in_the_chain(monkeypatch):
     assert amd == {"amdgcn": None}
 
 
-def test_a_binary_is_refused_when_the_analysis_finds_an_unwritten_descriptor(monkeypatch):
-    cubin = _sm90_cubin()
+def test_a_binary_is_refused_when_the_analysis_finds_an_unwritten_descriptor(monkeypatch, tmp_path):
+    cubin = _sm90_cubin(tmp_path)
     wgmma_guard.check_cubin("_add_one", cubin)  # a real binary, disassembled: nothing to find
     seen = []
 
