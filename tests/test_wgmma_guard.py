@@ -34,7 +34,7 @@ def _sm90_cubin(tmp_path) -> bytes:
             f"s = u.spec_from_file_location('wgmma_guard_test', {__file__!r}); m = u.module_from_spec(s); "
             f"s.loader.exec_module(m); open({str(out)!r}, 'wb').write(m.compile_sm90())")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     return out.read_bytes()
 
 
