@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 [ $# -gt 0 ] || set -- tests/gpu tests/test_replay.py
 nproc_="${NPROC:-6}"
-ids="$(mktemp -d)"
+ids="$(mktemp -d)"; trap 'rm -rf "$ids"' EXIT
 python3 -m pytest -q -p no:cacheprovider --collect-only "$@" | grep '::' > "$ids/all"
 echo "$(wc -l < "$ids/all") tests over $nproc_ processes"
 split -n "r/$nproc_" "$ids/all" "$ids/part."
