@@ -5,7 +5,8 @@
 # carry .whl holding expecttest, which the box lacks). NPROC (default 6) pytest processes
 # share the GPU, each taking every NPROC-th test id: the warp-specialized tests compile dozens
 # of specializations each, and one process runs past the device tool's 10-minute call.
-# --timeout (pytest-timeout, on the box) reports a hanging test instead of losing the log.
+# --timeout (pytest-timeout, on the box; left out where it is missing) reports a hanging test
+# instead of losing the log.
 set -u
 out="${OUT:-gpu_check_out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -20,10 +21,12 @@ ids="$(mktemp -d)"; trap 'rm -rf "$ids"' EXIT
 python3 -m pytest -q -p no:cacheprovider --collect-only "$@" | grep '::' > "$ids/all"
 echo "$(wc -l < "$ids/all") tests over $nproc_ processes"
 split -n "r/$nproc_" "$ids/all" "$ids/part."
+per_test=()
+python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=240)
 for part in "$ids"/part.*; do
   # Test ids hold spaces (parametrized reprs): pass them NUL-separated.
   tr '\n' '\0' < "$part" | timeout "${PYTEST_TIMEOUT:-480}" xargs -0 python3 -m pytest -q \
-    -p no:cacheprovider -rfE --timeout=240 > "$out/pytest.${part##*.}.log" 2>&1 &
+    -p no:cacheprovider -rfE "${per_test[@]}" > "$out/pytest.${part##*.}.log" 2>&1 &
 done
 wait
 for log in "$out"/pytest.*.log; do echo "$(basename "$log"): $(tail -1 "$log")"; done
