@@ -11,7 +11,9 @@ reports it against the roofline of that T:
 
 Both ceilings are measured in the same run (a large device-to-device copy; an 8192³ bf16
 matmul). Several routing sets (top-k of random logits) are rotated so that the weights are
-not resident in L2. On CUDA the time is the median over replays of a CUDA graph holding one
+not resident in L2. ``--routing balanced`` gives every expert the same number of rows instead
+(T·k/E, ±1 where E does not divide it), so that a kernel's cost per row count shows without
+the spread of random routing. On CUDA the time is the median over replays of a CUDA graph holding one
 call per routing set; at T=1 the eager time per call is reported too (the per-call overhead).
 A torch baseline (dequantized bf16 weights, ``torch._grouped_mm``) is measured alongside.
 Results go to stdout, a PNG plot (% of roofline against T) and ``PERF_LOG.md``.
@@ -48,6 +50,7 @@ QUICK_T = (1, 8, 64)
 TRITON_KERNELS_US = {1: 66.1, 8: 178.9, 64: 599.0, 512: 927.0, 4096: 2294.0}
 TRITON_KERNELS_MODEL = "gpt-oss-120b"
 QUICK_SHAPES = {"tiny": MoEConfig(4, 64, 96, 2, "interleaved", 1.702, 1.0, 7.0, has_bias=True)}
+ROUTINGS = ("random", "balanced")
 _ROUTING_SETS = 8  # × the experts one set touches: well past the 60 MB L2 of an H200
 _DTYPE = torch.bfloat16
 _DTYPE_BYTES = 2
@@ -76,6 +79,12 @@ class Row:
     flops: float
     roofline_us: float
     rel_err: Optional[float]  # ‖out − emulation‖ / ‖emulation‖ on the first routing set
+    routing: str = "random"  # see ROUTINGS
+
+    @property
+    def mode_text(self) -> str:
+        """``mode``, with the routing where it is not random."""
+        return self.mode if self.routing == "random" else f"{self.mode}/{self.routing}"
 
     @property
     def pct(self) -> float:
@@ -153,12 +162,19 @@ def _random_weights(shape: MoEConfig, device: torch.device, gen: torch.Generator
                       codes(E, H, I // 2), scales(E, H, I // 32), bias(E, H))
 
 
-def _routing_sets(shape: MoEConfig, T: int, n: int, device: torch.device, gen: torch.Generator):
-    """``n`` independent (x, topk_weights, topk_ids): top-k of random logits, softmax over the k."""
+def _routing_sets(shape: MoEConfig, T: int, n: int, device: torch.device, gen: torch.Generator,
+                  routing: str = "random"):
+    """``n`` independent (x, topk_weights, topk_ids), softmax over the k. ``random``: top-k of
+    random logits. ``balanced``: pair j of the T·k goes to expert π(j mod E) for a random
+    permutation π, so each expert gets ⌊T·k/E⌋ or one more pairs, and a token's k are distinct."""
+    E, k = shape.num_experts, shape.top_k
     sets = []
     for _ in range(n):
-        logits = torch.randn(T, shape.num_experts, device=device, generator=gen)
-        vals, ids = logits.topk(shape.top_k, dim=-1)
+        logits = torch.randn(T, E, device=device, generator=gen)
+        vals, ids = logits.topk(k, dim=-1)
+        if routing == "balanced":
+            perm = torch.randperm(E, device=device, generator=gen)
+            ids = perm[torch.arange(T * k, device=device).reshape(T, k) % E]
         x = torch.randn(T, shape.hidden_size, device=device, generator=gen).to(_DTYPE)
         sets.append((x, torch.softmax(vals, dim=-1).to(_DTYPE), ids.to(torch.int32)))
     return sets
@@ -283,6 +299,7 @@ def run(
     quick: bool = False,
     check: bool = True,
     log: Callable[[str], None] = print,
+    routing: str = "random",
 ) -> tuple[Ceilings, list[Row]]:
     """Measure every (model, T, act_quant, backend) that the oracle says the backend runs.
 
@@ -290,6 +307,7 @@ def run(
     registered backends and/or :data:`BASELINE`. With ``check`` each output is compared with
     the emulation backend's on the first routing set (``Row.rel_err``). A backend whose call
     raises is logged as FAILED and skipped for the rest of that model and act quant.
+    ``routing``: one of :data:`ROUTINGS` (see :func:`_routing_sets`).
     """
     gen = torch.Generator(device=device).manual_seed(0)
     ceilings = measure_ceilings(device, quick)
@@ -309,7 +327,7 @@ def run(
                     skip.add((name, aq))
                     log(f"skip {model} {aq} {name}: {reason}")
         for T in Ts:
-            sets = _routing_sets(shape, T, n_sets, device, gen)
+            sets = _routing_sets(shape, T, n_sets, device, gen, routing)
             bytes_ = statistics.mean(touched_bytes(shape, s[2]) for s in sets)
             flops = moe_flops(shape, T)
             roof_us = roofline_seconds(bytes_, flops, ceilings) * 1e6
@@ -336,7 +354,7 @@ def run(
                         skip.add((name, aq))
                         log(f"FAILED {model} {aq} T={T} {name}: {type(e).__name__}: {e}")
                         continue
-                    row = Row(model, T, aq, name, sec * 1e6, mode, eager, bytes_, flops, roof_us, err)
+                    row = Row(model, T, aq, name, sec * 1e6, mode, eager, bytes_, flops, roof_us, err, routing)
                     rows.append(row)
                     log(format_row(row))
             del sets
@@ -352,15 +370,20 @@ _HEADER = (f"{'model':<14} {'act':<5} {'T':>5} {'backend':<15} {'µs':>9} {'mode
 
 
 def format_row(r: Row) -> str:
-    tk = TRITON_KERNELS_US.get(r.T) if r.model == TRITON_KERNELS_MODEL and r.act_quant == "none" else None
+    tk = TRITON_KERNELS_US.get(r.T) if _triton_kernels_comparable(r) else None
     tk_us = f"{tk:7.1f}" if tk else f"{'-':>7}"
     tk_pct = f"{100 * r.roofline_us / tk:5.0f}" if tk else f"{'-':>5}"
     eager = f"{r.eager_us:9.1f}" if r.eager_us is not None else f"{'-':>9}"
     err = f"{r.rel_err:8.1e}" if r.rel_err is not None else f"{'-':>8}"
     # Sub-µs rooflines (tiny shapes on a GPU) keep their significant digits.
     roof = f"{r.roofline_us:8.1f}" if r.roofline_us >= 1 else f"{r.roofline_us:8.2g}"
-    return (f"{r.model:<14} {r.act_quant:<5} {r.T:>5} {r.backend:<15} {r.us:9.1f} {r.mode:<5} {eager} "
+    return (f"{r.model:<14} {r.act_quant:<5} {r.T:>5} {r.backend:<15} {r.us:9.1f} {r.mode_text:<5} {eager} "
             f"{roof} {r.pct:6.1f} {r.tbps:6.2f} {r.tflops:8.1f} {err} {tk_us} {tk_pct}")
+
+
+def _triton_kernels_comparable(r: Row) -> bool:
+    """Whether the issue's triton_kernels figures were measured the way ``r`` was."""
+    return r.model == TRITON_KERNELS_MODEL and r.act_quant == "none" and r.routing == "random"
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -369,29 +392,30 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def write_plot(rows: Sequence[Row], path: Path, title: str) -> None:
-    """% of roofline against T (log x), one panel per model, one line per backend and act quant."""
+    """% of roofline against T (log x), one panel per model (and routing), one line per backend
+    and act quant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r.model for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        mine = [r for r in rows if r.model == model]
+    panels = list(dict.fromkeys((r.model, r.routing) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (model, routing) in zip(axes[0], panels):
+        mine = [r for r in rows if (r.model, r.routing) == (model, routing)]
         for key in dict.fromkeys((r.backend, r.act_quant) for r in mine):
             pts = sorted((r.T, r.pct) for r in mine if (r.backend, r.act_quant) == key)
             ax.plot(*zip(*pts), marker="o", label=f"{key[0]} (A{_act_bits(key[1])})")
         if model == TRITON_KERNELS_MODEL:
             ref = sorted((r.T, 100 * r.roofline_us / TRITON_KERNELS_US[r.T]) for r in mine
-                         if r.T in TRITON_KERNELS_US and r.act_quant == "none")
+                         if r.T in TRITON_KERNELS_US and _triton_kernels_comparable(r))
             ref = list(dict.fromkeys(ref))
             if ref:
                 ax.plot(*zip(*ref), "k--", marker="x", label="triton_kernels (issue 4)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("T (tokens)")
         ax.set_ylabel("% of roofline")
-        ax.set_title(model)
+        ax.set_title(model if routing == "random" else f"{model}, {routing} routing")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -415,7 +439,7 @@ def append_perf_log(rows: Sequence[Row], path: Path, rev: str, device_name: str)
     """Append one line per row to the Markdown table at ``path`` (created with a header)."""
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     lines = [f"| {date} | {rev} | {device_name} | {r.model} | {r.act_quant} | {r.T} | {r.backend} | "
-             f"{r.us:.1f} | {r.mode} | {r.pct:.1f} |\n" for r in rows]
+             f"{r.us:.1f} | {r.mode_text} | {r.pct:.1f} |\n" for r in rows]
     new = not path.exists()
     with path.open("a") as f:
         if new:
@@ -457,6 +481,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"comma list of backends and {BASELINE!r} (default: every registered "
                    "backend but emulation, and the baseline)")
     p.add_argument("--act-quant", type=_csv(str, ACT_QUANTS), default=list(ACT_QUANTS))
+    p.add_argument("--routing", choices=ROUTINGS, default="random",
+                   help="top-k of random logits, or the same number of rows for every expert")
     p.add_argument("--quick", action="store_true", help="tiny shape, emulation + baseline, any device")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the comparison with emulation")
@@ -481,7 +507,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rev = a.rev or git_revision(repo)
     print(f"mxfx bench: {device_name}, rev {rev}, torch {torch.__version__}")
     _, rows = run(models, Ts, names, a.act_quant, device, quick=a.quick, check=a.check,
-                  log=lambda s: print(s, flush=True))
+                  log=lambda s: print(s, flush=True), routing=a.routing)
     print()
     print(format_table(rows))
     if not rows:

@@ -80,6 +80,32 @@ def test_cli_quick_writes_plot_and_log(tmp_path, capsys):
     assert len([ln for ln in log.splitlines() if re.match(r"\| \d{4}-\d\d-\d\d", ln)]) == 8
 
 
+@pytest.mark.parametrize("T", [1, 6, 9])
+def test_balanced_routing_gives_every_expert_the_same_rows(T):
+    gen = torch.Generator().manual_seed(0)
+    shape = MoEConfig(8, 64, 96, 3)
+    sets = bench._routing_sets(shape, T, 3, torch.device("cpu"), gen, "balanced")
+    seen = set()
+    for x, tw, ids in sets:
+        assert ids.shape == (T, 3) and ids.dtype == torch.int32 and tw.shape == (T, 3)
+        assert all(len(set(row.tolist())) == 3 for row in ids)  # a token's experts are distinct
+        counts = torch.bincount(ids.flatten().long(), minlength=8)
+        assert counts.sum() == 3 * T and counts.max() - counts.min() <= 1
+        assert counts.max() == -(-3 * T // 8)
+        seen.add(tuple(ids.flatten().tolist()))
+    assert len(seen) > 1  # each set permutes the experts afresh
+
+
+def test_cli_balanced_routing_is_labelled(tmp_path, capsys):
+    args = ["bench", "--quick", "--T", "8", "--act-quant", "none", "--backend", "emulation", "--routing",
+            "balanced", "--out", str(tmp_path), "--rev", "abc123"]
+    assert cli_main(args) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")]
+    assert len(rows) == 2 and all(cols[5] == "wall/balanced" for cols in rows)
+    log = (tmp_path / "PERF_LOG.md").read_text()
+    assert "| tiny | none | 8 | emulation |" in log and "| wall/balanced |" in log
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour: with a GPU a full run starts")
 def test_full_run_needs_a_gpu(tmp_path):
     with pytest.raises(SystemExit):
@@ -87,6 +113,6 @@ def test_full_run_needs_a_gpu(tmp_path):
 
 
 def test_rejects_unknown_names(tmp_path):
-    for bad in (["--model", "gpt-5"], ["--backend", "cutlass"], ["--act-quant", "mxfp6"]):
+    for bad in (["--model", "gpt-5"], ["--backend", "cutlass"], ["--act-quant", "mxfp6"], ["--routing", "zipf"]):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--out", str(tmp_path), *bad])
