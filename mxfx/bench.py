@@ -13,8 +13,9 @@ Both ceilings are measured in the same run (a large device-to-device copy; an 81
 matmul). Several routing sets (top-k of random logits) are rotated so that the weights are
 not resident in L2. ``--routing balanced`` gives every expert the same number of rows instead
 (T·k/E, ±1 where E does not divide it), so that a kernel's cost per row count shows without
-the spread of random routing. On CUDA the time is the median over replays of a CUDA graph holding one
-call per routing set; at T=1 the eager time per call is reported too (the per-call overhead).
+the spread of random routing. On CUDA the time is the median over replays of a CUDA graph
+holding one call per routing set; at T=1 the eager time per call is reported too (the per-call
+overhead).
 A torch baseline (dequantized bf16 weights, ``torch._grouped_mm``) is measured alongside.
 Results go to stdout, a PNG plot (% of roofline against T) and ``PERF_LOG.md``.
 
@@ -309,6 +310,8 @@ def run(
     raises is logged as FAILED and skipped for the rest of that model and act quant.
     ``routing``: one of :data:`ROUTINGS` (see :func:`_routing_sets`).
     """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing: got {routing!r}, expected one of {list(ROUTINGS)}")
     gen = torch.Generator(device=device).manual_seed(0)
     ceilings = measure_ceilings(device, quick)
     log(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.3f} TB/s, "

@@ -113,6 +113,12 @@ def test_full_run_needs_a_gpu(tmp_path):
         bench.main(["--out", str(tmp_path)])
 
 
+def test_run_rejects_an_unknown_routing():
+    with pytest.raises(ValueError, match="routing: got 'zipf'"):
+        bench.run({"tiny": TINY}, [1], ["emulation"], ["none"], torch.device("cpu"), quick=True,
+                  log=lambda s: None, routing="zipf")
+
+
 def test_rejects_unknown_names(tmp_path):
     for bad in (["--model", "gpt-5"], ["--backend", "cutlass"], ["--act-quant", "mxfp6"], ["--routing", "zipf"]):
         with pytest.raises(SystemExit):
