@@ -167,7 +167,8 @@ def _routing_sets(shape: MoEConfig, T: int, n: int, device: torch.device, gen: t
                   routing: str = "random"):
     """``n`` independent (x, topk_weights, topk_ids), softmax over the k. ``random``: top-k of
     random logits. ``balanced``: pair j of the T·k goes to expert π(j mod E) for a random
-    permutation π, so each expert gets ⌊T·k/E⌋ or one more pairs, and a token's k are distinct."""
+    permutation π, so each expert gets ⌊T·k/E⌋ or one more pairs, and a token's k are distinct
+    where k ≤ E (every shape in SHAPES)."""
     E, k = shape.num_experts, shape.top_k
     sets = []
     for _ in range(n):
