@@ -95,7 +95,7 @@ def _bf16_bits(x: torch.Tensor) -> np.ndarray:
     return (x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int32) & 0xFFFF).astype(U32)
 
 
-@pytest.mark.parametrize("name", ["_PTX_PAIRS", "_PTX_HALVES", "moe_sm90"])
+@pytest.mark.parametrize("name", ["_PTX_PAIRS", "_PTX_HALVES", "moe_sm90", "moe_sm90_split"])
 def test_ptx_text_matches_formats(name):
     g = torch.Generator().manual_seed(0)
     n = 1024
@@ -109,15 +109,34 @@ def test_ptx_text_matches_formats(name):
     s = scales[:, 0].numpy().astype(U32)
     if name == "moe_sm90":  # the scale byte itself, and the two table words the kernel passes
         out = run_ptx(moe_sm90._UNPACK.value, {"$4": word, "$12": s, "$20": U32(0xC0800000), "$28": U32(0x40403F00)})
+    elif name == "moe_sm90_split":  # the scale byte, and 2^126 in both bf16 halves
+        out = run_ptx(moe_sm90._UNPACK_SPLIT.value, {"$4": word, "$12": s, "$20": U32(0x7E807E80)})
     else:
         sb = np.where(s == 0, U32(0x40), np.where(s == 255, U32(0x7FC0), s << U32(7)))
         out = run_ptx(getattr(mx, name).value, {"$4": word, "$5": sb | (sb << U32(16))})
     got = np.stack([(out[f"${i}"] >> U32(sh)) & U32(0xFFFF) for i in range(4) for sh in (0, 16)], axis=1)
-    # Pairs: $i = elements 2i, 2i+1; halves: $0, $1 = even elements of bytes 0-1, 2-3, then odd.
-    want = ref[:, [0, 2, 4, 6, 1, 3, 5, 7]] if name == "_PTX_HALVES" else ref
+    # Pairs: $i = elements 2i, 2i+1; halves: $0, $1 = even elements of bytes 0-1, 2-3, then odd;
+    # split: $i = elements i, i + 4.
+    want = ref[:, {"_PTX_HALVES": [0, 2, 4, 6, 1, 3, 5, 7], "moe_sm90_split": [0, 4, 1, 5, 2, 6, 3, 7]}.get(name, range(8))]
     nan = ((want & 0x7F80) == 0x7F80) & ((want & 0x7F) != 0)
     assert ((got & 0x7F80) == 0x7F80)[nan].all() and ((got & 0x7F) != 0)[nan].all()  # NaN stays NaN
     np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+def test_split_unpack_order_is_the_activations_order():
+    """The mma.sync path re-pairs the activations by ``moe_sm90._SPLIT_PERM``: it must put each
+    element where :data:`moe_sm90._UNPACK_SPLIT` puts that element's weight (the Gluon kernels
+    run only on the GPU; this catches a mismatch without one)."""
+    perm = moe_sm90._SPLIT_PERM.value
+    assert perm[:4] == [0, 1, 2, 3] and sorted(perm[4:]) == [4, 5, 6]
+    for n in range(8):
+        word = U32(2 << (4 * n))  # element n = 1.0, the others 0
+        out = run_ptx(moe_sm90._UNPACK_SPLIT.value, {"$4": np.array([word]), "$12": np.array([127]),
+                                                     "$20": U32(0x7E807E80)})
+        got = [i for i in range(8) if (out[f"${i // 2}"][0] >> U32(16 * (i % 2))) & U32(0xFFFF)]
+        bits = [(n >> 2) & 1, (n >> 1) & 1, n & 1]  # dims 4, 5, 6 of the natural view
+        want = sum(bits[perm[4 + d] - 4] << (2 - d) for d in range(3))
+        assert got == [want], (n, got, want)
 
 
 @pytest.fixture

@@ -78,6 +78,49 @@ mul.rn.bf16x2 $3, r3, x;
 """)
 _UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
 
+# The same for the mma.sync path, with the work split between the ALU and FMA pipes rather than
+# all of it on the ALU pipe (prmt, lop3, shifts): word r = (element r, element r + 4). Nibble r
+# of each 16-bit half is masked in and multiplied by 2^a + 2^b, which places two copies of it,
+# the magnitude bits (e1 e0 m) at bf16 bits 8:6 and the sign at bit 15, and a mask keeps only
+# those. That reads as 2^(e-127)·(1+m/2), or the subnormal m·2^-127 for e = 0: the E2M1 value
+# times 2^-126 either way, which a multiply by 2^126 ($20, in a register) makes exact; elements
+# 2, 3, 6, 7 are the same nibbles of the word shifted by 8. One more bf16x2 multiply per output
+# and the activations re-paired to match, but a fifth fewer ALU instructions in the mma.sync
+# loop (H200, graph µs, T=1: gpt-oss-120b 32.4-32.6 -> 31.6, MiniMax-M3 54.7-54.9 -> 51.5-51.7,
+# Mixtral-8x7B 76.6-77.9 -> 73.0-73.4; Qwen3-30B-A3B 17.8-17.9 -> 18.2). In the warp-specialized
+# kernel, where the FMA pipe is busier, it was slower (gpt-oss-120b T=2048 1311 -> 1342).
+_UNPACK_SPLIT = gl.constexpr("""
+{
+.reg .b32 h, a0, a1, a2, a3, x;
+shr.u32 h, $4, 8;
+and.b32 a0, $4, 0x000F000F;
+and.b32 a1, $4, 0x00F000F0;
+and.b32 a2, h, 0x000F000F;
+and.b32 a3, h, 0x00F000F0;
+mul.lo.u32 a0, a0, 0x1040;
+mul.lo.u32 a1, a1, 0x104;
+mul.lo.u32 a2, a2, 0x1040;
+mul.lo.u32 a3, a3, 0x104;
+and.b32 a0, a0, 0x81C081C0;
+and.b32 a1, a1, 0x81C081C0;
+and.b32 a2, a2, 0x81C081C0;
+and.b32 a3, a3, 0x81C081C0;
+mul.rn.bf16x2 a0, a0, $20;
+mul.rn.bf16x2 a1, a1, $20;
+mul.rn.bf16x2 a2, a2, $20;
+mul.rn.bf16x2 a3, a3, $20;
+mad.lo.u32 x, $12, 513, 1;
+shr.u32 x, x, 8;
+max.u32 x, x, 1;
+mul.lo.u32 x, x, 0x00400040;
+mul.rn.bf16x2 $0, a0, x;
+mul.rn.bf16x2 $1, a1, x;
+mul.rn.bf16x2 $2, a2, x;
+mul.rn.bf16x2 $3, a3, x;
+}
+""")
+_UNPACK_SPLIT_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
+
 
 @gluon.constexpr_function
 def _log2(n):
@@ -136,6 +179,22 @@ def _to_dot_order(v, R: gl.constexpr, BK: gl.constexpr):
     return gl.reshape(v, [R, BK])
 
 
+# _UNPACK_SPLIT's value 2r + h of a word is element 4h + r: with a word's 8 values split into
+# bits [4, 5, 6] = (bit 2, bit 1, bit 0) of the index, its values are the natural ones permuted so.
+_SPLIT_PERM = gl.constexpr([0, 1, 2, 3, 5, 6, 4])
+
+
+@gluon.jit
+def _split_order(x):
+    """Activations ``[R, NI, 4, J, 8]`` in natural K order → the order of :data:`_UNPACK_SPLIT`'s
+    values within each word, so that :func:`_to_dot_order` places them as it places those
+    weights."""
+    R: gl.constexpr = x.shape[0]
+    NI: gl.constexpr = x.shape[1]
+    J: gl.constexpr = x.shape[3]
+    return gl.reshape(gl.permute(gl.reshape(x, [R, NI, 4, J, 2, 2, 2]), _SPLIT_PERM.value), [R, NI, 4, J, 8])
+
+
 @gluon.jit
 def _x3(v):
     """``[R]`` → ``[R, 1, 1]``."""
@@ -168,17 +227,24 @@ def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.c
 
 
 @gluon.jit
-def _unpack_a(w, s, tables, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr, A_L: gl.constexpr):
+def _unpack_a(w, s, tables, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr, A_L: gl.constexpr,
+              SPLIT: gl.constexpr = False):
     """One K step's weights (:func:`_load_w`) unpacked into the wgmma / mma.sync A fragment
     ``[ROWS, BLOCK_K]``, K in the dot's order (BLOCK_K < 128: words ``[ROWS, 1, 4, BLOCK_K / 32]``,
-    a part of a step that :func:`_to_dot_order` places)."""
+    a part of a step that :func:`_to_dot_order` places). ``SPLIT``: by :data:`_UNPACK_SPLIT`,
+    whose K order the activations take through :func:`_split_order`."""
     z = gl.full([ROWS, max(BLOCK_K // 128, 1), 4, min(BLOCK_K // 32, 4), 8], 0, gl.int32, layout=WL)
     sb, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(s.to(gl.int32), 3), 4), z)
     wb, _ = gl.broadcast(gl.expand_dims(w, 4), z)
-    tlo = z + tables
-    thi = z + (tables + 2143305472)  # 0x40403F00
-    v = gl.inline_asm_elementwise(_UNPACK, _UNPACK_CONSTRAINTS, [wb, sb, tlo, thi],
-                                  dtype=gl.bfloat16, is_pure=True, pack=8)
+    if SPLIT:
+        v = gl.inline_asm_elementwise(_UNPACK_SPLIT, _UNPACK_SPLIT_CONSTRAINTS,
+                                      [wb, sb, z + (tables - 1107263872)],  # 0x7E807E80 = 2^126
+                                      dtype=gl.bfloat16, is_pure=True, pack=8)
+    else:
+        tlo = z + tables
+        thi = z + (tables + 2143305472)  # 0x40403F00
+        v = gl.inline_asm_elementwise(_UNPACK, _UNPACK_CONSTRAINTS, [wb, sb, tlo, thi],
+                                      dtype=gl.bfloat16, is_pure=True, pack=8)
     # The unpacked registers are the fragment already: the conversion must move nothing.
     return gl.convert_layout(_to_dot_order(v, ROWS, BLOCK_K), A_L, assert_trivial=True)
 
@@ -188,9 +254,10 @@ def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
               A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
     """Unpack one K step's weights into the A fragment, bring its activations in the same K
     order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``."""
-    a = _unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L)
-    if SYNC_MMA:  # each lane loaded its B fragments: again nothing moves
-        b = gl.convert_layout(gl.permute(_to_dot_order(x, BLOCK_M, BLOCK_K), [1, 0]), B_L, assert_trivial=True)
+    a = _unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L, SYNC_MMA)
+    if SYNC_MMA:  # each lane loaded its B fragments: they move only within its registers
+        b = gl.convert_layout(gl.permute(_to_dot_order(_split_order(x), BLOCK_M, BLOCK_K), [1, 0]), B_L,
+                              assert_trivial=True)
         return mma_v2(a, b, acc)
     else:
         x_smem.store(_to_dot_order(x, BLOCK_M, BLOCK_K))
@@ -236,7 +303,8 @@ def _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, 
 
 @gluon.jit
 def _tables(wrow):
-    """The prmt table word 0xC0800000 of :func:`_unpack_a`, ``[ROWS, 1, 1, 1, 1]``, made opaque
+    """The prmt table word 0xC0800000 of :func:`_unpack_a` (offset there into the other table
+    word, or into 2^126 for :data:`_UNPACK_SPLIT`), ``[ROWS, 1, 1, 1, 1]``, made opaque
     and per thread (``wrow`` >= 0, so the OR changes nothing) so that ptxas keeps it in a
     register rather than copying it from a uniform register before every prmt (~30
     instructions per K step)."""
