@@ -117,7 +117,8 @@ def test_ptx_text_matches_formats(name):
     got = np.stack([(out[f"${i}"] >> U32(sh)) & U32(0xFFFF) for i in range(4) for sh in (0, 16)], axis=1)
     # Pairs: $i = elements 2i, 2i+1; halves: $0, $1 = even elements of bytes 0-1, 2-3, then odd;
     # split: $i = elements i, i + 4.
-    want = ref[:, {"_PTX_HALVES": [0, 2, 4, 6, 1, 3, 5, 7], "moe_sm90_split": [0, 4, 1, 5, 2, 6, 3, 7]}.get(name, range(8))]
+    order = {"_PTX_HALVES": [0, 2, 4, 6, 1, 3, 5, 7], "moe_sm90_split": [0, 4, 1, 5, 2, 6, 3, 7]}
+    want = ref[:, order.get(name, range(8))]
     nan = ((want & 0x7F80) == 0x7F80) & ((want & 0x7F) != 0)
     assert ((got & 0x7F80) == 0x7F80)[nan].all() and ((got & 0x7F) != 0)[nan].all()  # NaN stays NaN
     np.testing.assert_array_equal(got[~nan], want[~nan])

@@ -40,15 +40,22 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from mxfx.kernels import mx, wgmma_guard
 from mxfx.kernels.launch import Launcher
 
+
+def _times_scale(v: str) -> str:
+    """The PTX that ends both unpacks: registers ``v0``..``v3`` (bf16x2) times the scale of
+    byte $12, into $0..$3. Scale: ((2s + [s == 255]) << 6 in both halves, the bracket from
+    (513s + 1) >> 8), so 255 gives a NaN mantissa; max(., 1) turns s = 0 into 0x0040 = 2^-127."""
+    return ("mad.lo.u32 x, $12, 513, 1;\nshr.u32 x, x, 8;\nmax.u32 x, x, 1;\nmul.lo.u32 x, x, 0x00400040;\n"
+            + "".join(f"mul.rn.bf16x2 ${i}, {v}{i}, x;\n" for i in range(4)) + "}\n")
+
+
 # One int32 word (8 E2M1 values, the K pairs of bytes 0..3) and its E8M0 scale byte s → four
 # bf16x2 words, word j = (low nibble, high nibble) of byte j, times 2^(s-127). Two 8-entry byte
 # tables are looked up by prmt: the bf16's low byte from the magnitude bits (e1 e0 m), its high
 # byte from (sign, e1, e0|m), so the sign costs nothing extra. The tables' low words come in
-# registers ($20, $28): ptxas would otherwise copy an immediate before every prmt. Scale:
-# ((2s + [s == 255]) << 6 in both halves, the bracket from (513s + 1) >> 8), so 255 gives a
-# NaN mantissa; max(., 1) turns s = 0 into 0x0040 = 2^-127. pack=8 (elementwise asm has one
-# output per input element): each input comes in 8 copies ($4.., $12.., $20.., $28..), of which
-# only the first is read.
+# registers ($20, $28): ptxas would otherwise copy an immediate before every prmt. pack=8
+# (elementwise asm has one output per input element): each input comes in 8 copies ($4..,
+# $12.., $20.., $28..), of which only the first is read.
 _UNPACK = gl.constexpr("""
 {
 .reg .b32 a, b, t, ah, bh, l0, h0, l1, h1, r0, r1, r2, r3, x;
@@ -66,16 +73,7 @@ prmt.b32 r0, l0, h0, 0x5140;
 prmt.b32 r1, l0, h0, 0x7362;
 prmt.b32 r2, l1, h1, 0x5140;
 prmt.b32 r3, l1, h1, 0x7362;
-mad.lo.u32 x, $12, 513, 1;
-shr.u32 x, x, 8;
-max.u32 x, x, 1;
-mul.lo.u32 x, x, 0x00400040;
-mul.rn.bf16x2 $0, r0, x;
-mul.rn.bf16x2 $1, r1, x;
-mul.rn.bf16x2 $2, r2, x;
-mul.rn.bf16x2 $3, r3, x;
-}
-""")
+""" + _times_scale("r"))
 _UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
 
 # The same for the mma.sync path, with the work split between the ALU and FMA pipes rather than
@@ -109,16 +107,7 @@ mul.rn.bf16x2 a0, a0, $20;
 mul.rn.bf16x2 a1, a1, $20;
 mul.rn.bf16x2 a2, a2, $20;
 mul.rn.bf16x2 a3, a3, $20;
-mad.lo.u32 x, $12, 513, 1;
-shr.u32 x, x, 8;
-max.u32 x, x, 1;
-mul.lo.u32 x, x, 0x00400040;
-mul.rn.bf16x2 $0, a0, x;
-mul.rn.bf16x2 $1, a1, x;
-mul.rn.bf16x2 $2, a2, x;
-mul.rn.bf16x2 $3, a3, x;
-}
-""")
+""" + _times_scale("a"))
 _UNPACK_SPLIT_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
 
 
