@@ -68,12 +68,14 @@ def test_every_kernel_compiles_for(target, tool_runs):
     serialized = [f"{row['kernel']}: {row['serialized_wgmma']}" for row in rows if "serialized_wgmma" in row]
     assert not serialized, "\n".join(serialized)
     assert r.returncode == 0, r.stderr[-2000:]
-    # The Hopper kernel is compiled for sm_90 only (wgmma), and the launch code chooses it there
-    # (the warp-specialized one needs K loops of more than one step: see the next test); on GPUs
-    # with MX matrix instructions A8/A4 quantize into MX elements for tl.dot_scaled.
+    # The Hopper kernels are compiled for sm_90 only (wgmma, or mma.sync with its PTX unpack),
+    # and the launch code chooses them there (the warp-specialized one needs K loops of more than
+    # one step: see the next test); on GPUs with MX matrix instructions A8/A4 quantize into MX
+    # elements for tl.dot_scaled.
     native = target in ("cuda:100", "hip:gfx950")
+    hopper = {"_moe_gemm_sm90", "_moe_per_pair_sm90"} if target == "cuda:90" else set()
     assert {row["kernel"].split()[0] for row in rows} == (
-        KERNELS | ({"_moe_gemm_sm90"} if target == "cuda:90" else set()) | ({"_quantize_kernel"} if native else set()))
+        KERNELS | hopper | ({"_quantize_kernel"} if native else set()))
     assert all(row[key]["L2::128B"] == 0 for row in rows for key in ("cp_async", "ld_global") if key in row)
     scaled = {fmt for row in rows for fmt in (1, 2) if f"'A_FMT': {fmt}" in row["kernel"]}
     assert scaled == ({1, 2} if native else set())

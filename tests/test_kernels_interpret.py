@@ -346,7 +346,7 @@ def test_launcher_passes_the_arguments_as_triton_does():
     from mxfx.kernels.launch import Launcher
 
     for kernel in (moe._moe_gemm, moe._sum_slots, routing._place_kernel, routing._count_kernel,
-                   moe_sm90._moe_gemm_sm90):
+                   moe_sm90._moe_gemm_sm90, moe_sm90._moe_per_pair_sm90):
         jit = JITFunction(kernel.fn)
         launcher = Launcher(jit)
         binder = create_function_from_signature(jit.signature, jit.params, CUDABackend)

@@ -47,7 +47,9 @@ def logged(monkeypatch) -> list:
     return _Logged.log
 
 
-def _inputs(T: int, seed: int, quantized: bool = True, H: int = H, I: int = I) -> tuple:
+def _inputs(T: int, seed: int, quantized: bool = True, H: int = H, I: int = I, fused: bool = True,
+            sync: torch.Tensor | None = None) -> tuple:
+    """The tensors of ``moe._fused_moe`` (``fused``: with its counters, ``sync``) or ``_unfused_moe``."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
@@ -59,7 +61,7 @@ def _inputs(T: int, seed: int, quantized: bool = True, H: int = H, I: int = I) -
              torch.randint(100, 130, (E, H, I // 32), dtype=torch.uint8), torch.randn(E, H))
     else:
         w = (torch.randn(E, 2 * I, H), None, None, torch.randn(E, H, I), None, None)
-    return (x, tw, ids, *w)
+    return (x, tw, ids, *w, sync) if fused else (x, tw, ids, *w)
 
 
 def _canonical(log: list, inputs: tuple, out: torch.Tensor, positions: list) -> list:
@@ -119,14 +121,14 @@ def test_replay_hands_each_kernel_what_a_fresh_call_does(logged, fused, T, quant
     fn = moe._fused_moe if fused else moe._unfused_moe
     rep = Replayer(fn)
     static = (GPT_OSS, ActivationQuant(aq)) if fused else (GPT_OSS, activation.gated_activation)
-    rep(_inputs(T, 0, quantized), static)  # records
+    rep(_inputs(T, 0, quantized, fused=fused), static)  # records
     (plan,) = rep._plans.values()
     assert not isinstance(plan, str), plan
     assert len(plan.launches) == len(logged) >= 3
     if not fused:
         assert "_gated_activation_kernel" in [name for name, _, _ in logged]
 
-    second = _inputs(T, 1, quantized)
+    second = _inputs(T, 1, quantized, fused=fused)
     logged.clear()
     out = rep(second, static)  # replays
     replayed = list(logged)
@@ -169,10 +171,11 @@ def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkey
 
 @pytest.mark.parametrize("T", [1, 2])
 def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T):
-    """With mma.sync (Hopper patched in), one token's pairs are each their own block: both
-    GEMMs read the ids themselves (for the blocks' experts, the pairs and the blocks' rows),
-    no routing kernel runs, and GEMM2 sums the slots into the output at counters that GEMM1
-    zeroes, with no ``_sum_slots`` launch. Two tokens of 8 experts (of 32 or more they would be per pair, see
+    """With mma.sync (Hopper patched in) and no persistent counters (a CUDA graph captured
+    before any eager call), one token's pairs are each their own block: both GEMMs read the ids
+    themselves (for the blocks' experts, the pairs and the blocks' rows), no routing kernel
+    runs, and GEMM2 sums the slots into the output at counters that GEMM1 zeroes, with no
+    ``_sum_slots`` launch. Two tokens of 8 experts (of 32 or more they would be per pair, see
     the next test) are grouped by the routing kernel."""
     from mxfx.kernels import moe_sm90
 
@@ -191,6 +194,33 @@ def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T
     else:
         assert names == ["_place_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
         assert all(call.count(ids) == 0 for _, _, call in logged[1:3])
+
+
+@pytest.mark.parametrize("words,launches", [(moe._SYNC_WORDS, ["_moe_per_pair_sm90"]),
+                                             (1 + K + 1, ["_moe_per_pair_sm90"]),
+                                             (K + 1, ["_moe_gemm_sm90", "_moe_gemm_sm90"])])
+def test_per_pair_gemms_run_as_one_launch_given_counters(logged, monkeypatch, words, launches):
+    """Given the persistent counters (moe._sync_buffer, in eager calls) and room in them for
+    the ticket, one counter per pair and the k-sum's per token and column tile, both GEMMs and
+    the k-sum of a per-pair call are one launch, a program per GEMM1 and GEMM2 tile, planned for
+    replay with the counters as an input; without room, two launches."""
+    from mxfx.kernels import moe_sm90
+
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    sync = torch.zeros(words, dtype=torch.int32)
+    inputs = _inputs(1, 0, sync=sync)
+    rep = Replayer(moe._fused_moe)
+    out = rep(inputs, (GPT_OSS, ActivationQuant()))
+    assert [name for name, _, _ in logged] == launches
+    if len(launches) == 1:
+        (_, grid, call), = logged
+        assert grid == (K * (-(-I // 32) + -(-H // 64) * 4),)  # GEMM1 tiles of 32 columns, GEMM2's of 64 split 4 ways
+        assert call.count(inputs[2].data_ptr()) == 1 and call.count(sync.data_ptr()) == 1
+        assert out.data_ptr() in call
+        (plan,) = rep._plans.values()
+        assert not isinstance(plan, str), plan
+        (step,) = plan.launches
+        assert (call.index(sync.data_ptr()), len(inputs) - 1, 0) in step.patches
 
 
 @pytest.mark.parametrize("T,E,k,per_pair", [(1, 8, 8, True), (2, 128, 8, True), (3, 128, 8, False),
@@ -232,13 +262,13 @@ def test_a_call_doing_more_than_launches_is_left_unplanned(logged):
     """Non-contiguous ids are copied by ``reshape``: that copy is not a launch, so the
     signature gets no plan and every call runs the launch code."""
     rep = Replayer(moe._fused_moe)
-    x, tw, ids, *w = _inputs(6, 0)
+    x, tw, ids, *w, sync = _inputs(6, 0)
     ids_t = ids.t().contiguous().t()
     static = (GPT_OSS, ActivationQuant())
-    rep((x, tw, ids_t, *w), static)
+    rep((x, tw, ids_t, *w, sync), static)
     assert list(rep._plans.values()) == ["it ran aten.clone.default"]
     logged.clear()
-    rep((x, tw, ids_t, *w), static)
+    rep((x, tw, ids_t, *w, sync), static)
     assert logged and logged[0][0] == "_place_kernel"
 
 
@@ -290,3 +320,19 @@ def test_replay_refuses_inputs_sharing_the_address_it_uses(logged):
     rep((a, a.view(torch.int32)), (lambda t: t, None))
     (plan,) = rep._plans.values()
     assert plan == "argument 0 of _sum_slots is the address of several inputs"
+
+
+def test_temporaries_tool_plans_an_eager_call():
+    """``tools/moe_temporaries.py --plan`` (README's temporaries): gpt-oss-120b at T=8 holds the
+    intermediate (k·I/H = 4x the bytes of x) and GEMM2's float32 per-slot results (8x) and the
+    routing's few KB; at T=1 (per-pair blocks, one launch) GEMM2's four K-split partials of each
+    slot (36x)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "moe_temporaries.py"
+    spec = importlib.util.spec_from_file_location("moe_temporaries", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert 12.0 <= tool.plan_ratio("gpt-oss-120b", 8, "none") < 12.1
+    assert tool.plan_ratio("gpt-oss-120b", 1, "none") == 36.0

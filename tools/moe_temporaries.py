@@ -9,8 +9,9 @@ allocated before it and minus its output, divided by the bytes of ``x [T, H]``. 
 for at most 2x.
 
 ``--plan`` (any machine): the same ratio by construction, for the fused backend on a Hopper GPU:
-the workspace of the launch plan that :mod:`mxfx.kernels.replay` records for the call, with
-the launches recorded on CPU, not run.
+the workspace of the launch plan that :mod:`mxfx.kernels.replay` records for an eager call,
+with the launches recorded on CPU, not run (the persistent counters of its one-launch path at
+small T are not counted, as they are not on the device).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def plan_ratio(model: str, T: int, act_quant: str) -> float:
             mock.patch.object(launch, "direct_launches", lambda t: True), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
             mock.patch.object(moe_sm90, "runs_on", lambda device: True):
-        replayer((x, tw, ids, w.w13, w.w13_scale, w.w13_bias, w.w2, w.w2_scale, w.w2_bias),
+        replayer((x, tw, ids, w.w13, w.w13_scale, w.w13_bias, w.w2, w.w2_scale, w.w2_bias, moe._sync_buffer(x)),
                  (shape.activation, ActivationQuant(act_quant)))
     (plan,) = replayer._plans.values()
     if isinstance(plan, str):

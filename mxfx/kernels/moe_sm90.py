@@ -25,6 +25,10 @@ included. What differs is how the weights reach the tensor cores:
 Loads are issued one K step ahead (register double buffering, unrolled by two so that the
 buffers rotate without copies); rows past N are clamped and never stored, so only the K tail
 (with split K, the steps past those the shortest split has whole) is masked.
+
+:func:`_moe_per_pair_sm90` runs a per-pair call's two GEMMs (and its k-sum) as one launch, the
+second GEMM's programs waiting on counters for the first's: one launch's host time in an eager
+call instead of two.
 """
 from __future__ import annotations
 
@@ -39,6 +43,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from mxfx.kernels import mx, wgmma_guard
 from mxfx.kernels.launch import Launcher
+
+
+# The K step, and the output columns per program without a gated epilogue (GEMM2).
+_BLOCK_K = gl.constexpr(128)
+_BLOCK_N2 = gl.constexpr(64)
+BLOCK_K = _BLOCK_K.value
+BLOCK_N2 = _BLOCK_N2.value
 
 
 def _times_scale(v: str) -> str:
@@ -109,6 +120,27 @@ mul.rn.bf16x2 a2, a2, $20;
 mul.rn.bf16x2 a3, a3, $20;
 """ + _times_scale("a"))
 _UNPACK_SPLIT_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
+
+# Until the counter at $1 reaches $2: relaxed reads a quarter µs apart, then one acquire, whose
+# value is the result (a caller that drops it would let ptxas drop the acquire). Every thread
+# waits on its own: no barrier. Waiting programs share SMs with the ones they wait for, so
+# they must cost those little: polling by acquires (each invalidates the SM's L1, where the
+# others keep their activations) took gpt-oss-120b T=1 from 32.0 to 36.5 µs, by volatile loads
+# without a pause to 40.3.
+_WAIT = gl.constexpr("""
+{
+.reg .pred p;
+.reg .b32 v;
+POLL:
+ld.relaxed.gpu.global.b32 v, [$1];
+setp.lt.s32 p, v, $2;
+@!p bra.uni DONE;
+nanosleep.u32 256;
+bra.uni POLL;
+DONE:
+ld.acquire.gpu.global.b32 $0, [$1];
+}
+""")
 
 
 @gluon.constexpr_function
@@ -204,15 +236,20 @@ def _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
-    """:func:`_load_w` and the activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0``
-    (zeros for the rows where ``x_ok`` is false)."""
-    w, s = _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED)
+def _load_x(x_rows, x_ok, xk, k0, k_end, MASKED: gl.constexpr):
+    """The activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0`` (zeros for the rows where
+    ``x_ok`` is false; ``MASKED``: and from ``k_end`` on)."""
     if MASKED:
-        x = gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
+        return gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
     else:
-        x = gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
-    return w, s, x
+        return gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
+
+
+@gluon.jit
+def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
+    """:func:`_load_w` and :func:`_load_x` of the K step at ``k0``."""
+    w, s = _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED)
+    return w, s, _load_x(x_rows, x_ok, xk, k0, k_end, MASKED)
 
 
 @gluon.jit
@@ -402,20 +439,24 @@ def _sum_when_last(cnt_ptr, ids_ptr, y_ptr, stride_ys, stride_ym, sum_ptr, strid
                 acc += gl.load(y_ptr + ks * stride_ys + pair * stride_ym + n, mask=(n < N) & routed, other=0.0,
                                cache_modifier=".cg")
         gl.store(sum_ptr + t * stride_sum + n, acc.to(sum_ptr.dtype.element_ty), mask=n < N)
+        # Left at zero for the next call where the counters persist (_moe_per_pair_sm90).
+        gl.store(cnt_ptr + t * gl.cdiv(N, BLOCK_N) + j, 0)
 
 
 @gluon.jit
-def _moe_gemm_sm90(
-    a_ptr, stride_am, stride_ak,
-    w_ptr, stride_we, stride_wn, stride_wk,
-    s_ptr, stride_se, stride_sn, stride_sk,
+def _program(
+    pid,
+    a_ptr, stride_am,
+    w_ptr, stride_we, stride_wn,
+    s_ptr, stride_se, stride_sn,
     bias_ptr, stride_be, stride_bn,
     rw_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr,
-    out_ptr, stride_os, stride_om, stride_on,
+    out_ptr, stride_os, stride_om,
     N, up_offset,
     alpha, beta, limit,
     cnt_ptr, num_cnt, sum_ptr, stride_sum,
+    ready_ptr,
     K: gl.constexpr,
     A_ROW_DIV: gl.constexpr,
     GATED: gl.constexpr,
@@ -426,14 +467,17 @@ def _moe_gemm_sm90(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     SPLIT_K: gl.constexpr,
-    SYNC_MMA: gl.constexpr = False,
-    PER_PAIR_E: gl.constexpr = 0,
-    COUNTERS: gl.constexpr = 0,
-    TOPK: gl.constexpr = 1,
-    AQ: gl.constexpr = 0,
-    AQ_ROUNDING: gl.constexpr = 0,
+    SYNC_MMA: gl.constexpr,
+    PER_PAIR_E: gl.constexpr,
+    COUNTERS: gl.constexpr,
+    TOPK: gl.constexpr,
+    AQ: gl.constexpr,
+    AQ_ROUNDING: gl.constexpr,
+    WAIT: gl.constexpr = 0,
 ):
-    # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
+    """Program ``pid`` of the GEMM (the kernels' arguments are documented at
+    :func:`_moe_gemm_sm90`). ``WAIT``: before reading its activations, wait until
+    ``ready_ptr[block]`` has reached this count (its weights' first loads issued meanwhile)."""
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     BLOCK_N: gl.constexpr = 32 if GATED else 64
@@ -456,7 +500,6 @@ def _moe_gemm_sm90(
     # Split K: program ks sums K_SPLIT of the K range into its own partial output.
     K_SPLIT: gl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K
 
-    pid = gl.program_id(0)
     if COUNTERS == 1:  # GEMM1 zeroes the k-sum's counters for GEMM2 (see _sum_when_last)
         for i in range(pid, num_cnt, gl.num_programs(0)):
             gl.store(cnt_ptr + i, 0)
@@ -520,9 +563,19 @@ def _moe_gemm_sm90(
         NS: gl.constexpr = K_SPLIT // BLOCK_K
     # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
     ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
-    w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
-    if NS > 1:
-        w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    if WAIT:
+        w0, s0 = _load_w(w_rows, s_rows, wc, sg, k_lo, k_end, NFULL == 0)
+        if NS > 1:
+            w1, s1 = _load_w(w_rows, s_rows, wc, sg, k_lo + BLOCK_K, k_end, NFULL <= 1)
+        x_ok = x_ok & (gl.inline_asm_elementwise(_WAIT, "=r,l,r", [(ready_ptr + blk).to(gl.int64, bitcast=True), WAIT],
+                                                 dtype=gl.int32, is_pure=False, pack=1) >= WAIT)
+        x0 = _load_x(x_rows, x_ok, xk, k_lo, k_end, NFULL == 0)
+        if NS > 1:
+            x1 = _load_x(x_rows, x_ok, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    else:
+        w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
+        if NS > 1:
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
@@ -550,10 +603,104 @@ def _moe_gemm_sm90(
                        n0 // BLOCK_N, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)
 
 
+@gluon.jit
+def _moe_gemm_sm90(
+    a_ptr, stride_am, stride_ak,
+    w_ptr, stride_we, stride_wn, stride_wk,
+    s_ptr, stride_se, stride_sn, stride_sk,
+    bias_ptr, stride_be, stride_bn,
+    rw_ptr,
+    sorted_ptr, block_expert_ptr, block_rows_ptr,
+    out_ptr, stride_os, stride_om, stride_on,
+    N, up_offset,
+    alpha, beta, limit,
+    cnt_ptr, num_cnt, sum_ptr, stride_sum,
+    K: gl.constexpr,
+    A_ROW_DIV: gl.constexpr,
+    GATED: gl.constexpr,
+    GATE_STRIDE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    ROUTE_WEIGHT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    SYNC_MMA: gl.constexpr = False,
+    PER_PAIR_E: gl.constexpr = 0,
+    COUNTERS: gl.constexpr = 0,
+    TOPK: gl.constexpr = 1,
+    AQ: gl.constexpr = 0,
+    AQ_ROUNDING: gl.constexpr = 0,
+):
+    # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
+    _program(gl.program_id(0), a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+             bias_ptr, stride_be, stride_bn, rw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
+             out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, cnt_ptr, num_cnt, sum_ptr, stride_sum,
+             cnt_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, BLOCK_K,
+             SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING)
+
+
+@gluon.jit
+def _moe_per_pair_sm90(
+    x_ptr, stride_xm,
+    w1_ptr, stride_w1e, stride_w1n, s1_ptr, stride_s1e, stride_s1n, b1_ptr, stride_b1e, stride_b1n,
+    inter_ptr, stride_im,
+    w2_ptr, stride_w2e, stride_w2n, s2_ptr, stride_s2e, stride_s2n, b2_ptr, stride_b2e, stride_b2n,
+    rw_ptr, ids_ptr, y_ptr, stride_ys, stride_ym, out_ptr, stride_out,
+    sync_ptr, num_pairs, up_offset, alpha, beta, limit,
+    H: gl.constexpr,
+    I: gl.constexpr,
+    E: gl.constexpr,
+    TOPK: gl.constexpr,
+    GATE_STRIDE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    HAS_BIAS1: gl.constexpr,
+    HAS_BIAS2: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    AQ: gl.constexpr = 0,
+    AQ_ROUNDING: gl.constexpr = 0,
+):
+    """Both GEMMs of a call on per-pair blocks (``routing.per_pair``; mma.sync on 8-row
+    blocks), with their epilogues and the k-sum, in one launch: GEMM1's programs, then GEMM2's,
+    each taking the next role from a ticket counter (``sync_ptr[0]``), so that a GEMM2 program
+    only ever waits for programs that have started and never wait themselves (whatever the
+    order the hardware starts programs in, and however few fit at once). GEMM1's programs of
+    pair p count themselves in ``sync_ptr[1 + p]`` once their intermediate is stored; GEMM2's
+    programs of p issue their first weight loads, wait for all of them, and count themselves
+    after. ``sync_ptr[1 + num_pairs:]`` holds the k-sum's counters (:func:`_sum_when_last`).
+    Every counter is zero at the start and left at zero by the last program that uses it, so
+    ``sync_ptr`` must not be shared by two calls at once."""
+    N1: gl.constexpr = (I + 31) // 32  # GEMM1 programs per pair (gated: 32 columns each)
+    N2: gl.constexpr = (H + _BLOCK_N2 - 1) // _BLOCK_N2 * SPLIT_K  # GEMM2 programs per pair
+    ticket = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    g1 = num_pairs * N1
+    if ticket == g1 + num_pairs * N2 - 1:  # the last ticket: nothing reads the counter after it
+        gl.store(sync_ptr, 0)
+    ready = sync_ptr + 1
+    if ticket < g1:
+        _program(ticket, x_ptr, stride_xm, w1_ptr, stride_w1e, stride_w1n, s1_ptr, stride_s1e, stride_s1n,
+                 b1_ptr, stride_b1e, stride_b1n, rw_ptr, ids_ptr, ids_ptr, ids_ptr, inter_ptr, 0, stride_im,
+                 I, up_offset, alpha, beta, limit, ready, 0, inter_ptr, 0, ready,
+                 H, TOPK, True, GATE_STRIDE, HAS_LIMIT, HAS_BIAS1, False, 8, _BLOCK_K, 1, True, E, 0, 1,
+                 AQ, AQ_ROUNDING)
+        gl.thread_barrier()  # every thread's stores, then the release
+        gl.atomic_add(ready + ticket // N1, 1, sem="release", scope="gpu")
+    else:
+        pid = ticket - g1
+        _program(pid, inter_ptr, stride_im, w2_ptr, stride_w2e, stride_w2n, s2_ptr, stride_s2e, stride_s2n,
+                 b2_ptr, stride_b2e, stride_b2n, rw_ptr, ids_ptr, ids_ptr, ids_ptr, y_ptr, stride_ys, stride_ym,
+                 H, 0, 1.0, 0.0, 0.0, ready + num_pairs, 0, out_ptr, stride_out, ready,
+                 I, 1, False, 1, False, HAS_BIAS2, True, 8, _BLOCK_K, SPLIT_K, True, E, 2, TOPK, 0, 0, N1)
+        # After the pair's N1 GEMM1 programs (waited for, or, unrouted, not): the last of its
+        # GEMM2 programs sees N1 + N2 - 1 and resets the counter.
+        pair = pid // N2
+        if gl.atomic_add(ready + pair, 1, sem="relaxed", scope="gpu") == N1 + N2 - 1:
+            gl.store(ready + pair, 0)
+
+
 GEMM_SM90 = Launcher(_moe_gemm_sm90)
+PER_PAIR_SM90 = Launcher(_moe_per_pair_sm90)
 wgmma_guard.guard("_moe_gemm_sm90")
-BLOCK_K = 128
-BLOCK_N2 = 64  # the kernel's output columns per program without a gated epilogue (GEMM2)
 
 
 @functools.lru_cache(maxsize=None)

@@ -290,20 +290,27 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
         pytest.skip("needs a Hopper GPU")
     for replayer in (moe._FUSED, moe._UNFUSED):  # each first call runs the launch code
         monkeypatch.setattr(replayer, "_plans", {})
-    calls = _spy(monkeypatch, moe_sm90.GEMM_SM90)
+    calls, in_one = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_sm90.PER_PAIR_SM90)
     kw = {} if sync else {"pad": 4}
+    one = T == 1  # per-pair blocks: fused_moe's GEMMs in one launch
     for fn in (moe.fused_moe, _unfused):
         calls.clear()
+        in_one.clear()
         _check(fn, T, E, H, I, k, torch.bfloat16, act, **kw)
-        assert [(m["SYNC_MMA"], m["BLOCK_M"]) for m in calls] == [(sync, 8 if sync else 32)] * 2
+        if one and fn is moe.fused_moe:
+            assert not calls and len(in_one) == 1
+        else:
+            assert [(m["SYNC_MMA"], m["BLOCK_M"]) for m in calls] == [(sync, 8 if sync else 32)] * 2 and not in_one
     calls.clear()
+    in_one.clear()
     qdq = _spy(monkeypatch, mx._QDQ)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2, **kw)
     # x through the quantize pass, the intermediate in GEMM1's epilogue.
-    assert [m["AQ"] for m in calls] == [1, 0] and len(qdq) == 1
+    assert [m["AQ"] for m in calls + in_one] == ([1] if one else [1, 0]) and len(qdq) == 1
     calls.clear()
+    in_one.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
-    assert not calls
+    assert not calls and not in_one
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
@@ -400,10 +407,12 @@ def test_one_step_k_loops_are_not_warp_specialized(monkeypatch, H, I):
 def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     """On Hopper, few pairs against the experts (one token; here up to 16 pairs of 128
     experts) take per-pair blocks: no routing kernel, and GEMM2's last program of each token
-    and column tile sums the slots, with no ``_sum_slots`` launch. The output equals, to the
-    bit, the grouped path's (routing kernel and ``_sum_slots``), with unrouted slots (T=3: one
-    of token 1's, all of token 2's; or the single token's all) and an expert repeated across
-    tokens; and a CUDA graph of it replays on new ids."""
+    and column tile sums the slots, with no ``_sum_slots`` launch; an eager fused_moe runs both
+    GEMMs in one launch (on two streams at once too), a CUDA graph of it two. The output
+    equals, to the bit, the grouped path's (routing kernel and ``_sum_slots``), with unrouted
+    slots (T=3: one of token 1's, all of token 2's; or the single token's all) and an expert
+    repeated across tokens; the graph replays on new ids, again and again; the one launch's
+    counters are left at zero."""
     from mxfx.kernels import moe_sm90, routing
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -418,7 +427,29 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     if case == "repeated":
         ids[3] = ids[0].flip(0)
     gemms, sums = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe._SUM_SLOTS)
+    in_one = _spy(monkeypatch, moe_sm90.PER_PAIR_SM90)
     out = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    if fn is moe.fused_moe:
+        assert [m["E"] for m in in_one] == [E] and not gemms and not sums
+        # Calls on two streams at once, each with its own counters.
+        streams = [torch.cuda.Stream() for _ in range(2)]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        outs = []
+        for s in streams:
+            with torch.cuda.stream(s):
+                outs += [fn(x, tw, ids, W, GPT_OSS, ActivationQuant()) for _ in range(3)]
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, out) for o in outs)
+        assert all((x.get_device(), s.cuda_stream) in moe._sync for s in streams)
+        assert not any(b.any() for b in moe._sync.values())
+        # Without the counters (as in a CUDA graph): two launches.
+        sync_buffer = moe._sync_buffer
+        monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)
+        monkeypatch.setattr(moe._FUSED, "_plans", {})
+        assert torch.equal(out, fn(x, tw, ids, W, GPT_OSS, ActivationQuant()))
+        monkeypatch.setattr(moe, "_sync_buffer", sync_buffer)
+        monkeypatch.setattr(moe._FUSED, "_plans", {})
     assert [(m["PER_PAIR_E"], m["COUNTERS"]) for m in gemms] == [(E, 1), (E, 2)] and not sums
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert not out.isnan().any() and _rel_err(out, ref) <= 5e-3
@@ -428,8 +459,11 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     with torch.cuda.graph(graph):
         replayed = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
     ids.copy_(ids.roll(1, 0) if T > 1 else ids.flip(1))
-    graph.replay()
+    for _ in range(3):
+        graph.replay()
     again = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    torch.cuda.synchronize()
+    assert not any(b.any() for b in moe._sync.values())
     monkeypatch.setattr(moe, "_route", lambda ids, E, cfg: routing.align(ids, E, cfg.block_m))
     for replayer in (moe._FUSED, moe._UNFUSED):  # recorded launches would skip _route
         monkeypatch.setattr(replayer, "_plans", {})
