@@ -171,8 +171,8 @@ def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkey
 
 @pytest.mark.parametrize("T", [1, 2])
 def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T):
-    """With mma.sync (Hopper patched in) and no persistent counters (a CUDA graph captured
-    before any eager call), one token's pairs are each their own block: both GEMMs read the ids
+    """With mma.sync (Hopper patched in) and no persistent counters (as while a CUDA graph is
+    captured), one token's pairs are each their own block: both GEMMs read the ids
     themselves (for the blocks' experts, the pairs and the blocks' rows), no routing kernel
     runs, and GEMM2 sums the slots into the output at counters that GEMM1 zeroes, with no
     ``_sum_slots`` launch. Two tokens of 8 experts (of 32 or more they would be per pair, see

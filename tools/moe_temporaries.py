@@ -10,8 +10,8 @@ for at most 2x.
 
 ``--plan`` (any machine): the same ratio by construction, for the fused backend on a Hopper GPU:
 the workspace of the launch plan that :mod:`mxfx.kernels.replay` records for an eager call,
-with the launches recorded on CPU, not run (the persistent counters of its one-launch path at
-small T are not counted, as they are not on the device).
+with the launches recorded on CPU, not run (the counters of its one-launch path at small T,
+16 KB kept per device and stream, are no temporary and not counted).
 """
 from __future__ import annotations
 
