@@ -308,6 +308,7 @@ class GemmConfig(NamedTuple):
     sm90: bool = False  # the Hopper kernel (mxfx.kernels.moe_sm90), for MXFP4 weights
     sync_mma: bool = False  # there, mma.sync with the activations in registers, not wgmma
     ws: bool = False  # the warp-specialized Hopper kernel (mxfx.kernels.moe_sm90_ws), dot-ordered inputs
+    x_row_stages: int = 0  # there, on per-pair blocks: K steps of weights loaded ahead (see pick_config)
 
 
 # Mean rows per expert up to which moe_sm90 runs mma.sync on 8-row blocks, past which the
@@ -320,7 +321,7 @@ WS_SMALL_ROWS = 56
 
 
 def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = False,
-                warp_specialized: bool = False) -> GemmConfig:
+                warp_specialized: bool = False, intermediate: Optional[int] = None) -> GemmConfig:
     """Tile shapes from the mean rows per expert, measured on the H200 (tools/PERF_LOG.md):
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
     operand, on Hopper (``hopper``: :func:`hopper_fits`) in :mod:`mxfx.kernels.moe_sm90`,
@@ -333,7 +334,8 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     against 160-row blocks, T=1792 1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706; at
     T=128, 4 rows, mma.sync 635-637 against 804-806), past that in 160-row blocks (T=4096 ~2950
     -> 2049 against 128-row blocks in the portable kernel). Elsewhere, 32-row blocks, then
-    128-row blocks with one MMA per K step. ``hidden``: H, which sets GEMM2's grid."""
+    128-row blocks with one MMA per K step. ``hidden``: H, which sets GEMM2's grid;
+    ``intermediate``: I (default H), which sets GEMM1's."""
     rows = num_pairs / num_experts
     if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
         block_m = moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M
@@ -347,8 +349,17 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
         # T=1 (256) 17.5 / 18.3 / 19.2; MiniMax-M3 T=1 (384) 54.6 / 57.3 / 57.1.
         if hopper:
             grid2 = min(num_pairs, num_experts) * cdiv(hidden, moe_sm90.BLOCK_N2)
+            # On per-pair blocks (see _route) the activation row waits in shared memory, not in
+            # registers (96 registers at 4 steps ahead, 80 at 3, against 124 with 2 steps and
+            # the activations in registers): 4 steps while GEMM1's grid fits one wave of 4
+            # programs per SM, else 3, which leaves room for 6. H200, graph µs, min-max of 2
+            # alternating processes, registers / 3 / 4 steps: gpt-oss-120b T=1 31.6-32.3 /
+            # 30.7-30.9 / 30.5-30.6, T=2 51.6-51.7 / 47.8-47.9 / 48.6-49.6, T=4 88.0-88.7 /
+            # 80.2-80.5 / 82.7-84.0; MiniMax-M3 T=1 51.3-51.8 / 53.8-54.6 / 48.6-48.8, T=2
+            # 94.1-94.3 / 85.0-85.7 / 86.5-86.6; Qwen3-30B-A3B T=1 17.5-17.9 / 18.4-18.5 / 17.3-17.7.
+            grid1 = num_pairs * cdiv(hidden if intermediate is None else intermediate, 32)
             return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=4 if grid2 <= 192 else 1, sm90=True,
-                              sync_mma=True)
+                              sync_mma=True, x_row_stages=4 if grid1 <= 512 else 3)
         return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
     if rows <= SYNC_MAX_ROWS:
         if hopper:
@@ -423,9 +434,9 @@ def _gemm(
         block_n = 32 if gated else 64
         # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
         # no overflow checks).
-        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1)
+        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0)
         if routing.per_pair_experts:
-            per_pair.update(debug=True, sanitize_overflow=False)
+            per_pair.update(debug=True, sanitize_overflow=False, XROW=cfg.x_row_stages)
         count = (w, 0, w, 0)  # unused placeholders unless counting
         if counters is not None:
             count = (counters, counters.numel(), w, 0)
@@ -592,7 +603,7 @@ def _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter,
         H=H, I=inter_size, E=weights.num_experts, TOPK=k, GATE_STRIDE=2 if interleaved else 1,
         HAS_LIMIT=act.limit is not None, HAS_BIAS1=weights.w13_bias is not None,
         HAS_BIAS2=weights.w2_bias is not None, SPLIT_K=cfg.split_k2, AQ=mx.FMT_CODES[aq.fmt],
-        AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
+        AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding], XROW=cfg.x_row_stages,
         # The ids' device-side check (as the per-pair GEMMs), without overflow checks.
         debug=True, sanitize_overflow=False, num_warps=4, num_stages=1)
     return out
@@ -606,7 +617,7 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     native = aq.fmt != "none" and weights.quantized and mx.native_scaled_mma(x.device)
     hopper = hopper_fits(x, weights) and not native
     cfg = pick_config(T * k, weights.num_experts, H, hopper,
-                      hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
+                      hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size), inter_size)
     routing = _route(topk_ids, weights.num_experts, cfg)
     if cfg.ws:
         # Both GEMM inputs in the dot's K order (quantize-dequantized on the way under
@@ -673,7 +684,7 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
         return torch.empty(0, H, dtype=x.dtype, device=x.device)
     hopper = hopper_fits(x, weights)
     cfg = pick_config(T * k, weights.num_experts, H, hopper,
-                      hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size))
+                      hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size), inter_size)
     routing = _route(topk_ids, weights.num_experts, cfg)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
     counters = _k_sum_counters(routing, T, H, x.device)

@@ -443,6 +443,157 @@ def _sum_when_last(cnt_ptr, ids_ptr, y_ptr, stride_ys, stride_ym, sum_ptr, strid
         gl.store(cnt_ptr + t * gl.cdiv(N, BLOCK_N) + j, 0)
 
 
+@gluon.constexpr_function
+def _pow2_at_least(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@gluon.constexpr_function
+def _x_row_layout(NI):
+    """``[128 NI]``, one K step of an activation row in natural order, as :func:`_xb_layout`
+    holds one token: lane 4g + c the 32 values of segment c, whatever g (every lane of a
+    quad column the same), every warp the same."""
+    reg = [[1 << b] for b in range(5)] + [[128 << b] for b in range(_log2(NI))]
+    return gl.DistributedLinearLayout(reg, [[32], [64], [0], [0], [0]], [[0], [0]], [], [128 * NI])
+
+
+@gluon.jit
+def _x_row_to_smem(a_ptr, row, k_lo, k_end, NS: gl.constexpr, NI: gl.constexpr):
+    """A per-pair block's one activation row, K from ``k_lo`` (zeros from ``k_end`` on), in
+    shared memory as ``[NS', 128 NI]`` (NS' >= NS steps), for every lane to read in the K
+    loop: no activation registers carried from one step to the next."""
+    NSP: gl.constexpr = _pow2_at_least(NS)
+    XR: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    kk = gl.arange(0, NSP * 128 * NI, layout=XR)
+    XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    x_all = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [NSP * 128 * NI], XS)
+    x_all.store(gl.load(a_ptr + row + (k_lo + kk), mask=k_lo + kk < k_end, other=0.0))
+    return x_all._reinterpret(a_ptr.dtype.element_ty, [NSP, 128 * NI], XS)
+
+
+@gluon.jit
+def _x_row_step(x_all, step, BLOCK_M: gl.constexpr, NI: gl.constexpr, XL: gl.constexpr):
+    """Step ``step``'s activations from :func:`_x_row_to_smem`, ``[BLOCK_M, NI, 4, 4, 8]`` in
+    ``XL``: every row of the block the same (only the first is stored by the epilogue)."""
+    xs = gl.reshape(x_all.index(step).load(_x_row_layout(NI)), [NI, 4, 4, 8])
+    xs = gl.expand_dims(gl.convert_layout(xs, gl.SliceLayout(0, XL), assert_trivial=True), 0)
+    rows = gl.full([BLOCK_M, 1, 1, 1, 1], 0, gl.int32, layout=XL)
+    x, _ = gl.broadcast(xs, rows)
+    return x
+
+
+@gluon.jit
+def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, ready, k_lo, k_end,
+            NFULL: gl.constexpr, NS: gl.constexpr, WAIT: gl.constexpr, A_ROW_DIV: gl.constexpr,
+            PER_PAIR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr,
+            WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
+    """The K loop with the block's activations loaded into registers with its weights, one
+    step ahead (``NFULL`` unmasked steps of ``NS``; ``WAIT``: see :func:`_program`)."""
+    X4: gl.constexpr = gl.SliceLayout(4, XL)
+    X3: gl.constexpr = gl.SliceLayout(3, X4)
+    X2: gl.constexpr = gl.SliceLayout(2, X3)
+    X1: gl.constexpr = gl.SliceLayout(1, X2)
+    X_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    # The block's activation rows (rows past block_rows are never stored).
+    m = gl.arange(0, BLOCK_M, layout=X1)
+    if PER_PAIR:
+        pairs_x = blk + m
+    else:
+        pairs_x = gl.load(sorted_ptr + blk * BLOCK_M + m, mask=m < nrows, other=0)
+    x_rows = gl.expand_dims(_x3(a_ptr + (pairs_x // A_ROW_DIV).to(gl.int64) * stride_am), 3)
+    x_rows = gl.expand_dims(x_rows, 4)
+    xi = gl.arange(0, NI, layout=gl.SliceLayout(0, X2))
+    xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+    xj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, X4))))
+    xe = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL)))))
+    xk = (gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xi * 128, 0), 2), 3), 4)
+          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xc * 32, 0), 1), 3), 4)
+          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xj * 8, 0), 1), 2), 4)
+          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xe, 0), 1), 2), 3))
+    # The block's padding rows are not read: a block of few rows would otherwise spend most
+    # of its activation traffic on copies of row 0 (T=512: 981 -> 957 µs).
+    x_ok = gl.expand_dims(gl.expand_dims(_x3(m < nrows), 3), 4) & (xk >= 0)  # (& broadcasts to [BM, NI, 4, 4, 8])
+
+    if SYNC_MMA:
+        x_smem0 = 0  # unused placeholders: the activations stay in registers
+        x_smem1 = 0
+    else:
+        x_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
+        x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
+    # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
+    ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
+    if WAIT:
+        w0, s0 = _load_w(w_rows, s_rows, wc, sg, k_lo, k_end, NFULL == 0)
+        if NS > 1:
+            w1, s1 = _load_w(w_rows, s_rows, wc, sg, k_lo + BLOCK_K, k_end, NFULL <= 1)
+        x_ok = x_ok & (gl.inline_asm_elementwise(_WAIT, "=r,l,r", [ready.to(gl.int64, bitcast=True), WAIT],
+                                                 dtype=gl.int32, is_pure=False, pack=1) >= WAIT)
+        x0 = _load_x(x_rows, x_ok, xk, k_lo, k_end, NFULL == 0)
+        if NS > 1:
+            x1 = _load_x(x_rows, x_ok, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    else:
+        w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
+        if NS > 1:
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
+        for it in range(ITER):
+            k0 = k_lo + it * (2 * BLOCK_K)
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+            w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
+            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
+    for j in gl.static_range(2 * ITER, NS):
+        if j % 2 == 0:
+            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+        else:
+            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+        if j + 1 < NS:
+            w0 = w1
+            s0 = s1
+            x0 = x1
+        if j + 2 < NS:
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + (j + 2) * BLOCK_K, k_end,
+                                    j + 2 >= NFULL)
+    return acc
+
+
+@gluon.jit
+def _k_loop_x_row(acc, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, k_lo, k_end, NFULL: gl.constexpr,
+                  NS: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
+                  A_L: gl.constexpr, B_L: gl.constexpr):
+    """The K loop of a per-pair block on mma.sync with its activation row in shared memory
+    (:func:`_x_row_to_smem`) and the weights loaded ``STAGES`` steps ahead."""
+    bufs = ()
+    for j in gl.static_range(STAGES):
+        if j < NS:
+            bufs = bufs + (_load_w(w_rows, s_rows, wc, sg, k_lo + j * BLOCK_K, k_end, j >= NFULL),)
+    if WAIT:
+        ok = gl.inline_asm_elementwise(_WAIT, "=r,l,r", [ready.to(gl.int64, bitcast=True), WAIT],
+                                       dtype=gl.int32, is_pure=False, pack=1) >= WAIT
+        x_all = _x_row_to_smem(a_ptr, row, k_lo, gl.where(ok, k_end, k_lo), NS, NI)
+    else:
+        x_all = _x_row_to_smem(a_ptr, row, k_lo, k_end, NS, NI)
+    ITER: gl.constexpr = (NFULL - STAGES) // STAGES if NFULL >= STAGES else 0
+    if ITER > 0:
+        for it in range(ITER):
+            for j in gl.static_range(STAGES):
+                w, s = bufs[0]
+                acc = _mma_step(acc, w, s, _x_row_step(x_all, it * STAGES + j, BLOCK_M, NI, XL), 0, tables, BLOCK_M,
+                                BLOCK_K, WL, A_L, B_L, True)
+                bufs = bufs[1:] + (_load_w(w_rows, s_rows, wc, sg, k_lo + (it * STAGES + j + STAGES) * BLOCK_K,
+                                           k_end, False),)
+    for j in gl.static_range(STAGES * ITER, NS):
+        w, s = bufs[0]
+        acc = _mma_step(acc, w, s, _x_row_step(x_all, j, BLOCK_M, NI, XL), 0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L,
+                        True)
+        bufs = bufs[1:]
+        if j + STAGES < NS:
+            bufs = bufs + (_load_w(w_rows, s_rows, wc, sg, k_lo + (j + STAGES) * BLOCK_K, k_end,
+                                   j + STAGES >= NFULL),)
+    return acc
+
+
 @gluon.jit
 def _program(
     pid,
@@ -474,12 +625,16 @@ def _program(
     AQ: gl.constexpr,
     AQ_ROUNDING: gl.constexpr,
     WAIT: gl.constexpr = 0,
+    XROW: gl.constexpr = 0,
 ):
     """Program ``pid`` of the GEMM (the kernels' arguments are documented at
     :func:`_moe_gemm_sm90`). ``WAIT``: before reading its activations, wait until
-    ``ready_ptr[block]`` has reached this count (its weights' first loads issued meanwhile)."""
+    ``ready_ptr[block]`` has reached this count (its weights' first loads issued meanwhile).
+    ``XROW``: on per-pair blocks, the K loop of :func:`_k_loop_x_row` with the weights this
+    many steps ahead; 0: :func:`_k_loop`'s."""
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
+    gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "the activation row in shared memory: per-pair mma.sync")
     BLOCK_N: gl.constexpr = 32 if GATED else 64
     NI: gl.constexpr = BLOCK_K // 128
     WL: gl.constexpr = _w_layout(NI)
@@ -492,11 +647,6 @@ def _program(
                                                       instr_shape=[16, BLOCK_M, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    X_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
-    X4: gl.constexpr = gl.SliceLayout(4, XL)
-    X3: gl.constexpr = gl.SliceLayout(3, X4)
-    X2: gl.constexpr = gl.SliceLayout(2, X3)
-    X1: gl.constexpr = gl.SliceLayout(1, X2)
     # Split K: program ks sums K_SPLIT of the K range into its own partial output.
     K_SPLIT: gl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K
 
@@ -521,34 +671,7 @@ def _program(
     w_rows, s_rows, wc, sg, tables = _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
                                                   n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
 
-    # The block's activation rows (rows past block_rows are never stored).
-    m = gl.arange(0, BLOCK_M, layout=X1)
-    if PER_PAIR_E:
-        pairs_x = blk + m
-    else:
-        pairs_x = gl.load(sorted_ptr + blk * BLOCK_M + m, mask=m < nrows, other=0)
-    x_rows = gl.expand_dims(_x3(a_ptr + (pairs_x // A_ROW_DIV).to(gl.int64) * stride_am), 3)
-    x_rows = gl.expand_dims(x_rows, 4)
-    xi = gl.arange(0, NI, layout=gl.SliceLayout(0, X2))
-    xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
-    xj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, X4))))
-    xe = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL)))))
-    xk = (gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xi * 128, 0), 2), 3), 4)
-          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xc * 32, 0), 1), 3), 4)
-          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xj * 8, 0), 1), 2), 4)
-          + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xe, 0), 1), 2), 3))
-    # The block's padding rows are not read: a block of few rows would otherwise spend most
-    # of its activation traffic on copies of row 0 (T=512: 981 -> 957 µs).
-    x_ok = gl.expand_dims(gl.expand_dims(_x3(m < nrows), 3), 4) & (xk >= 0)  # (& broadcasts to [BM, NI, 4, 4, 8])
-
-    if SYNC_MMA:
-        x_smem0 = 0  # unused placeholders: the activations stay in registers
-        x_smem1 = 0
-    else:
-        x_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
-        x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
-
     if SPLIT_K == 1:
         k_lo = 0
         k_end = K
@@ -561,40 +684,14 @@ def _program(
         # loop runs on those, unmasked, and fully unrolling a long K range costs i-cache.
         NFULL: gl.constexpr = max(K - (SPLIT_K - 1) * K_SPLIT, 0) // BLOCK_K
         NS: gl.constexpr = K_SPLIT // BLOCK_K
-    # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
-    ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
-    if WAIT:
-        w0, s0 = _load_w(w_rows, s_rows, wc, sg, k_lo, k_end, NFULL == 0)
-        if NS > 1:
-            w1, s1 = _load_w(w_rows, s_rows, wc, sg, k_lo + BLOCK_K, k_end, NFULL <= 1)
-        x_ok = x_ok & (gl.inline_asm_elementwise(_WAIT, "=r,l,r", [(ready_ptr + blk).to(gl.int64, bitcast=True), WAIT],
-                                                 dtype=gl.int32, is_pure=False, pack=1) >= WAIT)
-        x0 = _load_x(x_rows, x_ok, xk, k_lo, k_end, NFULL == 0)
-        if NS > 1:
-            x1 = _load_x(x_rows, x_ok, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    if XROW:
+        acc = _k_loop_x_row(acc, w_rows, s_rows, wc, sg, tables, a_ptr, (blk // A_ROW_DIV).to(gl.int64) * stride_am,
+                            ready_ptr + blk, k_lo, k_end, NFULL, NS, XROW, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL,
+                            A_L, B_L)
     else:
-        w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
-        if NS > 1:
-            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
-    if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
-        for it in range(ITER):
-            k0 = k_lo + it * (2 * BLOCK_K)
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
-            w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
-            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
-            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
-    for j in gl.static_range(2 * ITER, NS):
-        if j % 2 == 0:
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
-        else:
-            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
-        if j + 1 < NS:
-            w0 = w1
-            s0 = s1
-            x0 = x1
-        if j + 2 < NS:
-            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + (j + 2) * BLOCK_K, k_end,
-                                    j + 2 >= NFULL)
+        acc = _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr + blk,
+                      k_lo, k_end, NFULL, NS, WAIT, A_ROW_DIV, PER_PAIR_E != 0, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
+                      B_L, SYNC_MMA)
     _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
@@ -631,13 +728,14 @@ def _moe_gemm_sm90(
     TOPK: gl.constexpr = 1,
     AQ: gl.constexpr = 0,
     AQ_ROUNDING: gl.constexpr = 0,
+    XROW: gl.constexpr = 0,
 ):
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     _program(gl.program_id(0), a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
              bias_ptr, stride_be, stride_bn, rw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, cnt_ptr, num_cnt, sum_ptr, stride_sum,
              cnt_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, BLOCK_K,
-             SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING)
+             SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING, 0, XROW)
 
 
 @gluon.jit
@@ -659,6 +757,7 @@ def _moe_per_pair_sm90(
     SPLIT_K: gl.constexpr,
     AQ: gl.constexpr = 0,
     AQ_ROUNDING: gl.constexpr = 0,
+    XROW: gl.constexpr = 0,
 ):
     """Both GEMMs of a call on per-pair blocks (``routing.per_pair``; mma.sync on 8-row
     blocks), with their epilogues and the k-sum, in one launch: GEMM1's programs, then GEMM2's,
@@ -682,7 +781,7 @@ def _moe_per_pair_sm90(
                  b1_ptr, stride_b1e, stride_b1n, rw_ptr, ids_ptr, ids_ptr, ids_ptr, inter_ptr, 0, stride_im,
                  I, up_offset, alpha, beta, limit, ready, 0, inter_ptr, 0, ready,
                  H, TOPK, True, GATE_STRIDE, HAS_LIMIT, HAS_BIAS1, False, 8, _BLOCK_K, 1, True, E, 0, 1,
-                 AQ, AQ_ROUNDING)
+                 AQ, AQ_ROUNDING, 0, XROW)
         gl.thread_barrier()  # every thread's stores, then the release
         gl.atomic_add(ready + ticket // N1, 1, sem="release", scope="gpu")
     else:
@@ -690,7 +789,7 @@ def _moe_per_pair_sm90(
         _program(pid, inter_ptr, stride_im, w2_ptr, stride_w2e, stride_w2n, s2_ptr, stride_s2e, stride_s2n,
                  b2_ptr, stride_b2e, stride_b2n, rw_ptr, ids_ptr, ids_ptr, ids_ptr, y_ptr, stride_ys, stride_ym,
                  H, 0, 1.0, 0.0, 0.0, ready + num_pairs, 0, out_ptr, stride_out, ready,
-                 I, 1, False, 1, False, HAS_BIAS2, True, 8, _BLOCK_K, SPLIT_K, True, E, 2, TOPK, 0, 0, N1)
+                 I, 1, False, 1, False, HAS_BIAS2, True, 8, _BLOCK_K, SPLIT_K, True, E, 2, TOPK, 0, 0, N1, XROW)
         # After the pair's N1 GEMM1 programs (waited for, or, unrouted, not): the last of its
         # GEMM2 programs sees N1 + N2 - 1 and resets the counter.
         pair = pid // N2
