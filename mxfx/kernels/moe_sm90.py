@@ -24,7 +24,10 @@ included. What differs is how the weights reach the tensor cores:
 
 Loads are issued one K step ahead (register double buffering, unrolled by two so that the
 buffers rotate without copies); rows past N are clamped and never stored, so only the K tail
-(with split K, the steps past those the shortest split has whole) is masked.
+(with split K, the steps past those the shortest split has whole) is masked. A per-pair block
+(one activation row) keeps its row in shared memory instead, where every lane reads its
+fragments each step, so the registers hold the weights of 3 or 4 steps ahead
+(:func:`_k_loop_x_row`).
 
 :func:`_moe_per_pair_sm90` runs a per-pair call's two GEMMs (and its k-sum) as one launch, the
 second GEMM's programs waiting on counters for the first's: one launch's host time in an eager
@@ -42,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from mxfx.kernels import mx, wgmma_guard
-from mxfx.kernels.launch import Launcher
+from mxfx.kernels.launch import Launcher, next_power_of_2
 
 
 # The K step, and the output columns per program without a gated epilogue (GEMM2).
@@ -443,9 +446,7 @@ def _sum_when_last(cnt_ptr, ids_ptr, y_ptr, stride_ys, stride_ym, sum_ptr, strid
         gl.store(cnt_ptr + t * gl.cdiv(N, BLOCK_N) + j, 0)
 
 
-@gluon.constexpr_function
-def _pow2_at_least(n):
-    return 1 << max(n - 1, 0).bit_length()
+_pow2_at_least = gluon.constexpr_function(next_power_of_2)
 
 
 @gluon.constexpr_function

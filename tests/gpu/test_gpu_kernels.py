@@ -409,7 +409,8 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     experts) take per-pair blocks: no routing kernel, and GEMM2's last program of each token
     and column tile sums the slots, with no ``_sum_slots`` launch; an eager fused_moe runs both
     GEMMs in one launch (on two streams at once too), a CUDA graph of it two. The output
-    equals, to the bit, the grouped path's (routing kernel and ``_sum_slots``), with unrouted
+    equals, to the bit, the grouped path's (routing kernel and ``_sum_slots``, the activations
+    in registers rather than the per-pair blocks' row in shared memory), with unrouted
     slots (T=3: one of token 1's, all of token 2's; or the single token's all) and an expert
     repeated across tokens; the graph replays on new ids, again and again; the one launch's
     counters are left at zero."""
@@ -430,7 +431,7 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     in_one = _spy(monkeypatch, moe_sm90.PER_PAIR_SM90)
     out = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
     if fn is moe.fused_moe:
-        assert [m["E"] for m in in_one] == [E] and not gemms and not sums
+        assert [(m["E"], m["XROW"]) for m in in_one] == [(E, 4)] and not gemms and not sums
         # Calls on two streams at once, each with its own counters.
         streams = [torch.cuda.Stream() for _ in range(2)]
         for s in streams:
@@ -450,7 +451,8 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
         assert torch.equal(out, fn(x, tw, ids, W, GPT_OSS, ActivationQuant()))
         monkeypatch.setattr(moe, "_sync_buffer", sync_buffer)
         monkeypatch.setattr(moe._FUSED, "_plans", {})
-    assert [(m["PER_PAIR_E"], m["COUNTERS"]) for m in gemms] == [(E, 1), (E, 2)] and not sums
+    # The activation row in shared memory, the weights 4 steps ahead (T * k * I/32 <= 512).
+    assert [(m["PER_PAIR_E"], m["COUNTERS"], m["XROW"]) for m in gemms] == [(E, 1, 4), (E, 2, 4)] and not sums
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert not out.isnan().any() and _rel_err(out, ref) <= 5e-3
     if case == "none routed":
@@ -469,7 +471,7 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
         monkeypatch.setattr(replayer, "_plans", {})
     gemms.clear()
     grouped = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
-    assert [m["PER_PAIR_E"] for m in gemms] == [0, 0] and len(sums) == 1
+    assert [(m["PER_PAIR_E"], m["XROW"]) for m in gemms] == [(0, 0), (0, 0)] and len(sums) == 1
     assert torch.equal(replayed, again) and torch.equal(again, grouped)
 
 
