@@ -246,12 +246,15 @@ def test_gemm2_split_on_hopper_follows_its_grid(pairs, E, H, split):
 
 
 @pytest.mark.parametrize("pairs,H,I,stages", [(4, 2880, 2880, 4), (8, 2880, 2880, 3), (16, 2048, 768, 4),
-                                                (12, 2048, 2880, 3), (2, 4096, 14336, 3), (16, 128, 32, 4)])
+                                                (12, 2048, 2880, 3), (2, 4096, 14336, 3), (16, 128, 32, 4),
+                                                (32, 7168, 2048, 3), (32, 7168, 256, 4)])
 def test_per_pair_weight_stages_follow_gemm1s_grid(pairs, H, I, stages):
-    """A few pairs on Hopper: the per-pair K loop loads the weights 4 steps ahead while GEMM1's
-    grid (pairs × I/32) is at most 512 programs, else 3; I, not H, sets it."""
-    assert moe.pick_config(pairs, 128, H, hopper=True, intermediate=I).x_row_stages == stages
-    assert moe.pick_config(pairs, 128, H).x_row_stages == 0
+    """On Hopper's mma.sync tiles (which per-pair blocks take): the per-pair K loop loads the
+    weights 4 steps ahead while GEMM1's grid (pairs × I/32) is at most 512 programs, else 3;
+    I, not H, sets it. 32 pairs of 256 experts: past the few-pairs tiles."""
+    cfg = moe.pick_config(pairs, 256, H, hopper=True, intermediate=I)
+    assert cfg.sync_mma and cfg.x_row_stages == stages
+    assert moe.pick_config(pairs, 256, H).x_row_stages == 0
 
 
 def test_replay_keys_on_shape_and_alignment(logged):

@@ -337,6 +337,15 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     128-row blocks with one MMA per K step. ``hidden``: H, which sets GEMM2's grid;
     ``intermediate``: I (default H), which sets GEMM1's."""
     rows = num_pairs / num_experts
+    # On per-pair blocks (see _route) the activation row waits in shared memory, not in
+    # registers (96 registers at 4 steps ahead, 80 at 3, against 124 with 2 steps and the
+    # activations in registers): 4 steps while GEMM1's grid fits one wave of 4 programs per SM,
+    # else 3, which leaves room for 6. H200, graph µs, min-max of 2 alternating processes,
+    # registers / 3 / 4 steps: gpt-oss-120b T=1 31.6-32.3 / 30.7-30.9 / 30.5-30.6, T=2 51.6-51.7 /
+    # 47.8-47.9 / 48.6-49.6, T=4 88.0-88.7 / 80.2-80.5 / 82.7-84.0; MiniMax-M3 T=1 51.3-51.8 /
+    # 53.8-54.6 / 48.6-48.8, T=2 94.1-94.3 / 85.0-85.7 / 86.5-86.6; Qwen3-30B-A3B T=1 17.5-17.9 /
+    # 18.4-18.5 / 17.3-17.7.
+    x_row_stages = 4 if num_pairs * cdiv(hidden if intermediate is None else intermediate, 32) <= 512 else 3
     if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
         block_m = moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M
         return GemmConfig(block_m, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
@@ -349,21 +358,13 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
         # T=1 (256) 17.5 / 18.3 / 19.2; MiniMax-M3 T=1 (384) 54.6 / 57.3 / 57.1.
         if hopper:
             grid2 = min(num_pairs, num_experts) * cdiv(hidden, moe_sm90.BLOCK_N2)
-            # On per-pair blocks (see _route) the activation row waits in shared memory, not in
-            # registers (96 registers at 4 steps ahead, 80 at 3, against 124 with 2 steps and
-            # the activations in registers): 4 steps while GEMM1's grid fits one wave of 4
-            # programs per SM, else 3, which leaves room for 6. H200, graph µs, min-max of 2
-            # alternating processes, registers / 3 / 4 steps: gpt-oss-120b T=1 31.6-32.3 /
-            # 30.7-30.9 / 30.5-30.6, T=2 51.6-51.7 / 47.8-47.9 / 48.6-49.6, T=4 88.0-88.7 /
-            # 80.2-80.5 / 82.7-84.0; MiniMax-M3 T=1 51.3-51.8 / 53.8-54.6 / 48.6-48.8, T=2
-            # 94.1-94.3 / 85.0-85.7 / 86.5-86.6; Qwen3-30B-A3B T=1 17.5-17.9 / 18.4-18.5 / 17.3-17.7.
-            grid1 = num_pairs * cdiv(hidden if intermediate is None else intermediate, 32)
             return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=4 if grid2 <= 192 else 1, sm90=True,
-                              sync_mma=True, x_row_stages=4 if grid1 <= 512 else 3)
+                              sync_mma=True, x_row_stages=x_row_stages)
         return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
     if rows <= SYNC_MAX_ROWS:
         if hopper:
-            return GemmConfig(8, 32, 64, 64, 4, swap=True, split=True, sm90=True, sync_mma=True)
+            return GemmConfig(8, 32, 64, 64, 4, swap=True, split=True, sm90=True, sync_mma=True,
+                              x_row_stages=x_row_stages)
         return GemmConfig(16, 32, 64, 64, 4, swap=True, split=True)
     if rows <= 32:
         return GemmConfig(32, 64, 128, 64, 4, swap=True, split=True, sm90=hopper)

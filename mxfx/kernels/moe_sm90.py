@@ -484,12 +484,12 @@ def _x_row_step(x_all, step, BLOCK_M: gl.constexpr, NI: gl.constexpr, XL: gl.con
 
 
 @gluon.jit
-def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, ready, k_lo, k_end,
-            NFULL: gl.constexpr, NS: gl.constexpr, WAIT: gl.constexpr, A_ROW_DIV: gl.constexpr,
-            PER_PAIR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr,
-            WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
+def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
+            NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr, PER_PAIR: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
+            A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
     """The K loop with the block's activations loaded into registers with its weights, one
-    step ahead (``NFULL`` unmasked steps of ``NS``; ``WAIT``: see :func:`_program`)."""
+    step ahead (``NFULL`` unmasked steps of ``NS``)."""
     X4: gl.constexpr = gl.SliceLayout(4, XL)
     X3: gl.constexpr = gl.SliceLayout(3, X4)
     X2: gl.constexpr = gl.SliceLayout(2, X3)
@@ -523,19 +523,9 @@ def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, b
         x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
     # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
     ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
-    if WAIT:
-        w0, s0 = _load_w(w_rows, s_rows, wc, sg, k_lo, k_end, NFULL == 0)
-        if NS > 1:
-            w1, s1 = _load_w(w_rows, s_rows, wc, sg, k_lo + BLOCK_K, k_end, NFULL <= 1)
-        x_ok = x_ok & (gl.inline_asm_elementwise(_WAIT, "=r,l,r", [ready.to(gl.int64, bitcast=True), WAIT],
-                                                 dtype=gl.int32, is_pure=False, pack=1) >= WAIT)
-        x0 = _load_x(x_rows, x_ok, xk, k_lo, k_end, NFULL == 0)
-        if NS > 1:
-            x1 = _load_x(x_rows, x_ok, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
-    else:
-        w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
-        if NS > 1:
-            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
+    if NS > 1:
+        w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
@@ -636,6 +626,7 @@ def _program(
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "the activation row in shared memory: per-pair mma.sync")
+    gl.static_assert(WAIT == 0 or XROW != 0, "a waiting program reads its activation row into shared memory")
     BLOCK_N: gl.constexpr = 32 if GATED else 64
     NI: gl.constexpr = BLOCK_K // 128
     WL: gl.constexpr = _w_layout(NI)
@@ -690,9 +681,8 @@ def _program(
                             ready_ptr + blk, k_lo, k_end, NFULL, NS, XROW, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL,
                             A_L, B_L)
     else:
-        acc = _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr + blk,
-                      k_lo, k_end, NFULL, NS, WAIT, A_ROW_DIV, PER_PAIR_E != 0, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
-                      B_L, SYNC_MMA)
+        acc = _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
+                      NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA)
     _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)

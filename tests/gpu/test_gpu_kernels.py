@@ -402,11 +402,12 @@ def test_one_step_k_loops_are_not_warp_specialized(monkeypatch, H, I):
     assert not ws and [m["BLOCK_M"] for m in sm90] == [32, 32]
 
 
-@pytest.mark.parametrize("T,case", [(1, "routed"), (1, "none routed"), (3, "routed"), (4, "repeated")])
+@pytest.mark.parametrize("T,case", [(1, "routed"), (1, "none routed"), (3, "routed"), (4, "repeated"),
+                                    (4, "32 pairs")])
 @pytest.mark.parametrize("fn", [moe.fused_moe, _unfused], ids=["fused", "unfused"])
 def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     """On Hopper, few pairs against the experts (one token; here up to 16 pairs of 128
-    experts) take per-pair blocks: no routing kernel, and GEMM2's last program of each token
+    experts, or 32 of 256) take per-pair blocks: no routing kernel, and GEMM2's last program of each token
     and column tile sums the slots, with no ``_sum_slots`` launch; an eager fused_moe runs both
     GEMMs in one launch (on two streams at once too), a CUDA graph of it two. The output
     equals, to the bit, the grouped path's (routing kernel and ``_sum_slots``, the activations
@@ -418,7 +419,8 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
-    E, H, I, k = 128, 352, 160, 4
+    # 32 pairs of 256 experts: past pick_config's few-pairs tiles, still per pair.
+    E, H, I, k = (256, 352, 160, 8) if case == "32 pairs" else (128, 352, 160, 4)
     for replayer in (moe._FUSED, moe._UNFUSED):
         monkeypatch.setattr(replayer, "_plans", {})
     W = _weights(E, H, I, torch.bfloat16)
