@@ -307,8 +307,8 @@ class GemmConfig(NamedTuple):
     split_k2: int = 1  # GEMM2's K range split over this many programs (partials, fixed-order sum)
     sm90: bool = False  # the Hopper kernel (mxfx.kernels.moe_sm90), for MXFP4 weights
     sync_mma: bool = False  # there, mma.sync with the activations in registers, not wgmma
+    x_row_stages: int = 0  # and on per-pair blocks the row in shared memory, weights this many K steps ahead
     ws: bool = False  # the warp-specialized Hopper kernel (mxfx.kernels.moe_sm90_ws), dot-ordered inputs
-    x_row_stages: int = 0  # there, on per-pair blocks: K steps of weights loaded ahead (see pick_config)
 
 
 # Mean rows per expert up to which moe_sm90 runs mma.sync on 8-row blocks, past which the
@@ -644,7 +644,9 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # Activation quantization, as the emulation does it: x once here (a [T, H] temporary),
     # the intermediate in GEMM1's epilogue.
     x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
-    if (cfg.sm90 and routing.per_pair_experts and sync is not None
+    # (The one launch's waiting programs read their activation row into shared memory: tiles
+    # forced without x_row_stages, as tools/moe_kernel_timing.py's, take the two.)
+    if (cfg.sm90 and routing.per_pair_experts and cfg.x_row_stages and sync is not None
             and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel()):
         return _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
     counters = _k_sum_counters(routing, T, H, x.device)
