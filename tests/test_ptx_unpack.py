@@ -1,4 +1,4 @@
-"""The PTX MXFP4 unpacks of :mod:`mxfx.kernels.mx` and :mod:`mxfx.kernels.moe_sm90` on CPU,
+"""The PTX MXFP4 unpacks of :mod:`mxfx.kernels.mx` and :mod:`mxfx.kernels.sm90_tile` on CPU,
 through a small interpreter of the instructions they use (mov, and, shifts, prmt, lop3, integer
 multiply-add and max, mul.rn.bf16x2) on numpy arrays:
 
@@ -23,7 +23,7 @@ from mxfx.backends import emulation
 from mxfx.backends.base import ActivationQuant, MoEWeights
 
 triton = pytest.importorskip("triton")
-from mxfx.kernels import moe, moe_sm90, mx  # noqa: E402
+from mxfx.kernels import moe, mx, sm90_tile  # noqa: E402
 
 U32 = np.uint32
 
@@ -108,9 +108,9 @@ def test_ptx_text_matches_formats(name):
     word = packed[:, :4].contiguous().view(torch.int32).numpy()[:, 0].view(U32)
     s = scales[:, 0].numpy().astype(U32)
     if name == "moe_sm90":  # the scale byte itself, and the two table words the kernel passes
-        out = run_ptx(moe_sm90._UNPACK.value, {"$4": word, "$12": s, "$20": U32(0xC0800000), "$28": U32(0x40403F00)})
+        out = run_ptx(sm90_tile.UNPACK.value, {"$4": word, "$12": s, "$20": U32(0xC0800000), "$28": U32(0x40403F00)})
     elif name == "moe_sm90_split":  # the scale byte, and 2^126 in both bf16 halves
-        out = run_ptx(moe_sm90._UNPACK_SPLIT.value, {"$4": word, "$12": s, "$20": U32(0x7E807E80)})
+        out = run_ptx(sm90_tile.UNPACK_SPLIT.value, {"$4": word, "$12": s, "$20": U32(0x7E807E80)})
     else:
         sb = np.where(s == 0, U32(0x40), np.where(s == 255, U32(0x7FC0), s << U32(7)))
         out = run_ptx(getattr(mx, name).value, {"$4": word, "$5": sb | (sb << U32(16))})
@@ -125,14 +125,14 @@ def test_ptx_text_matches_formats(name):
 
 
 def test_split_unpack_order_is_the_activations_order():
-    """The mma.sync path re-pairs the activations by ``moe_sm90._SPLIT_PERM``: it must put each
-    element where :data:`moe_sm90._UNPACK_SPLIT` puts that element's weight (the Gluon kernels
+    """The mma.sync path re-pairs the activations by ``sm90_tile.SPLIT_PERM``: it must put each
+    element where :data:`sm90_tile.UNPACK_SPLIT` puts that element's weight (the Gluon kernels
     run only on the GPU; this catches a mismatch without one)."""
-    perm = moe_sm90._SPLIT_PERM.value
+    perm = sm90_tile.SPLIT_PERM.value
     assert perm[:4] == [0, 1, 2, 3] and sorted(perm[4:]) == [4, 5, 6]
     for n in range(8):
         word = U32(2 << (4 * n))  # element n = 1.0, the others 0
-        out = run_ptx(moe_sm90._UNPACK_SPLIT.value, {"$4": np.array([word]), "$12": np.array([127]),
+        out = run_ptx(sm90_tile.UNPACK_SPLIT.value, {"$4": np.array([word]), "$12": np.array([127]),
                                                      "$20": U32(0x7E807E80)})
         got = [i for i in range(8) if (out[f"${i // 2}"][0] >> U32(16 * (i % 2))) & U32(0xFFFF)]
         bits = [(n >> 2) & 1, (n >> 1) & 1, n & 1]  # dims 4, 5, 6 of the natural view

@@ -1,26 +1,20 @@
 """The MoE GEMM for Hopper (sm_90) in Gluon, for MXFP4 weights and bfloat16 activations while
 few rows share each weight (small T), where the portable kernel of :mod:`mxfx.kernels.moe` is
-bound by its instruction count. Its tile rows, unpack and epilogue are shared with
-:mod:`mxfx.kernels.moe_sm90_ws`, the warp-specialized kernel for many rows per block.
+bound by its instruction count. Its tile (weight rows, MXFP4 unpack into A fragments,
+epilogue) is :mod:`mxfx.kernels.sm90_tile`, which :mod:`mxfx.kernels.moe_sm90_ws`, the
+warp-specialized kernel for many rows per block, shares.
 
 :func:`_moe_gemm_sm90` takes the same runtime arguments as ``moe._moe_gemm`` and computes the
 same GEMM1 (gated or not) and GEMM2 epilogues, the intermediate's activation quantization
 included. What differs is how the weights reach the tensor cores:
 
 - One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` with the
-  weights as the MMA's A operand.
-- Each lane loads whole 16-byte, 32-K segments of its two fragment rows (one load and one
-  scale byte per row and segment) and unpacks every packed byte into one bf16x2 register that
-  *is* an A-fragment pair: no shared-memory round trip for the weights. That puts the dot's K
-  in a permuted order inside each K step, and the activations follow the same order, so the
-  sum is the same.
+  weights as the MMA's A operand, unpacked in registers (:func:`sm90_tile.unpack_a`).
 - The activations are the B operand, in one of two ways. ``SYNC_MMA`` (blocks of 8 rows,
   while the weights dominate): each lane loads the same 32-K segment of the block's rows
   straight into mma.sync B fragments, every warp on its own, with no shared memory, barrier
   or proxy fence in the loop. Otherwise (16 to 32 rows): the block's rows are staged to
   shared memory once for the four warps and multiplied by wgmma.
-- Gated tiles interleave gate and up rows by 8 so that one thread holds both halves of a
-  column (accumulator rows r and r+8).
 
 Loads are issued one K step ahead (register double buffering, unrolled by two so that the
 buffers rotate without copies); rows past N are clamped and never stored, so only the K tail
@@ -38,13 +32,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from mxfx.kernels import mx, wgmma_guard
+from mxfx.kernels import sm90_tile as tile, wgmma_guard
 from mxfx.kernels.launch import Launcher, next_power_of_2
 
 
@@ -54,75 +47,6 @@ _BLOCK_N2 = gl.constexpr(64)
 BLOCK_K = _BLOCK_K.value
 BLOCK_N2 = _BLOCK_N2.value
 
-
-def _times_scale(v: str) -> str:
-    """The PTX that ends both unpacks: registers ``v0``..``v3`` (bf16x2) times the scale of
-    byte $12, into $0..$3. Scale: ((2s + [s == 255]) << 6 in both halves, the bracket from
-    (513s + 1) >> 8), so 255 gives a NaN mantissa; max(., 1) turns s = 0 into 0x0040 = 2^-127."""
-    return ("mad.lo.u32 x, $12, 513, 1;\nshr.u32 x, x, 8;\nmax.u32 x, x, 1;\nmul.lo.u32 x, x, 0x00400040;\n"
-            + "".join(f"mul.rn.bf16x2 ${i}, {v}{i}, x;\n" for i in range(4)) + "}\n")
-
-
-# One int32 word (8 E2M1 values, the K pairs of bytes 0..3) and its E8M0 scale byte s → four
-# bf16x2 words, word j = (low nibble, high nibble) of byte j, times 2^(s-127). Two 8-entry byte
-# tables are looked up by prmt: the bf16's low byte from the magnitude bits (e1 e0 m), its high
-# byte from (sign, e1, e0|m), so the sign costs nothing extra. The tables' low words come in
-# registers ($20, $28): ptxas would otherwise copy an immediate before every prmt. pack=8
-# (elementwise asm has one output per input element): each input comes in 8 copies ($4..,
-# $12.., $20.., $28..), of which only the first is read.
-_UNPACK = gl.constexpr("""
-{
-.reg .b32 a, b, t, ah, bh, l0, h0, l1, h1, r0, r1, r2, r3, x;
-and.b32 a, $4, 0x77777777;
-shr.u32 t, $4, 1;
-lop3.b32 b, t, $4, 0x11111111, 0xF8;
-and.b32 b, b, 0x77777777;
-shr.u32 ah, a, 16;
-shr.u32 bh, b, 16;
-prmt.b32 l0, $20, 0xC0804000, a;
-prmt.b32 h0, $28, 0xC0C0BF80, b;
-prmt.b32 l1, $20, 0xC0804000, ah;
-prmt.b32 h1, $28, 0xC0C0BF80, bh;
-prmt.b32 r0, l0, h0, 0x5140;
-prmt.b32 r1, l0, h0, 0x7362;
-prmt.b32 r2, l1, h1, 0x5140;
-prmt.b32 r3, l1, h1, 0x7362;
-""" + _times_scale("r"))
-_UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
-
-# The same for the mma.sync path, with the work split between the ALU and FMA pipes rather than
-# all of it on the ALU pipe (prmt, lop3, shifts): word r = (element r, element r + 4). Nibble r
-# of each 16-bit half is masked in and multiplied by 2^a + 2^b, which places two copies of it,
-# the magnitude bits (e1 e0 m) at bf16 bits 8:6 and the sign at bit 15, and a mask keeps only
-# those. That reads as 2^(e-127)·(1+m/2), or the subnormal m·2^-127 for e = 0: the E2M1 value
-# times 2^-126 either way, which a multiply by 2^126 ($20, in a register) makes exact; elements
-# 2, 3, 6, 7 are the same nibbles of the word shifted by 8. One more bf16x2 multiply per output
-# and the activations re-paired to match, but a fifth fewer ALU instructions in the mma.sync
-# loop (H200, graph µs, T=1: gpt-oss-120b 32.4-32.6 -> 31.6, MiniMax-M3 54.7-54.9 -> 51.5-51.7,
-# Mixtral-8x7B 76.6-77.9 -> 73.0-73.4; Qwen3-30B-A3B 17.8-17.9 -> 18.2). In the warp-specialized
-# kernel, where the FMA pipe is busier, it was slower (gpt-oss-120b T=2048 1311 -> 1342).
-_UNPACK_SPLIT = gl.constexpr("""
-{
-.reg .b32 h, a0, a1, a2, a3, x;
-shr.u32 h, $4, 8;
-and.b32 a0, $4, 0x000F000F;
-and.b32 a1, $4, 0x00F000F0;
-and.b32 a2, h, 0x000F000F;
-and.b32 a3, h, 0x00F000F0;
-mul.lo.u32 a0, a0, 0x1040;
-mul.lo.u32 a1, a1, 0x104;
-mul.lo.u32 a2, a2, 0x1040;
-mul.lo.u32 a3, a3, 0x104;
-and.b32 a0, a0, 0x81C081C0;
-and.b32 a1, a1, 0x81C081C0;
-and.b32 a2, a2, 0x81C081C0;
-and.b32 a3, a3, 0x81C081C0;
-mul.rn.bf16x2 a0, a0, $20;
-mul.rn.bf16x2 a1, a1, $20;
-mul.rn.bf16x2 a2, a2, $20;
-mul.rn.bf16x2 a3, a3, $20;
-""" + _times_scale("a"))
-_UNPACK_SPLIT_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
 
 # Until the counter at $1 reaches $2: relaxed reads a quarter µs apart, then one acquire, whose
 # value is the result (a caller that drops it would let ptxas drop the acquire). Every thread
@@ -147,30 +71,11 @@ ld.acquire.gpu.global.b32 $0, [$1];
 
 
 @gluon.constexpr_function
-def _log2(n):
-    assert n & (n - 1) == 0, n
-    return n.bit_length() - 1
-
-
-@gluon.constexpr_function
-def _w_layout(NI, NW=4, J=4):
-    """``[16 NW, NI, 4, J, 8]`` (tile row, segment group i, lane c = segment c + 4i, word in the
-    segment, value in the word): a thread owns rows 16w + t/4 and +8 and its J words of a
-    segment are contiguous (J = 4: all of them; fewer: the words of one part of a K step,
-    see :func:`_unpack_a`)."""
-    reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]] + [[0, 0, 0, 1 << b, 0] for b in range(_log2(J))]
-    reg += [[8, 0, 0, 0, 0]] + [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))]
-    lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
-    warp = [[16 << b, 0, 0, 0, 0] for b in range(_log2(NW))]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * NW, NI, 4, J, 8])
-
-
-@gluon.constexpr_function
 def _x_layout(BM, NI):
     """``[BM, NI, 4, 4, 8]`` activations in natural K order (k = 128i + 32c + 8j + e), 8
     contiguous bf16 (16 bytes) per thread."""
     free = [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]]
-    free += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))] + [[1 << b, 0, 0, 0, 0] for b in range(_log2(BM))]
+    free += [[0, 1 << b, 0, 0, 0] for b in range(tile.log2(NI))] + [[1 << b, 0, 0, 0, 0] for b in range(tile.log2(BM))]
     lane, rest = free[:5], free[5:]
     warp, reg = rest[:2], rest[2:]
     while len(warp) < 2:
@@ -185,44 +90,10 @@ def _xb_layout(BM, NI):
     them: lane 4g + c holds segment c of tokens g, g + 8, ... (all 32 values), every warp the
     same (each warp multiplies the whole block of tokens by its 16 weight rows)."""
     reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0]]
-    reg += [[0, 1 << b, 0, 0, 0] for b in range(_log2(NI))] + [[8 << b, 0, 0, 0, 0] for b in range(_log2(BM) - 3)]
+    reg += [[0, 1 << b, 0, 0, 0] for b in range(tile.log2(NI))] + [[8 << b, 0, 0, 0, 0] for b in range(tile.log2(BM) - 3)]
     lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
     warp = [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BM, NI, 4, 4, 8])
-
-
-@gluon.jit
-def _to_dot_order(v, R: gl.constexpr, BK: gl.constexpr):
-    """``[R, NI, 4, J, 8]`` in natural K order (k = 128i + 32c + 8j + 2b + e, byte 4j + b)
-    → ``[R, BK]`` in the dot's order (k' = 128i + 32j + 16(b//2) + 8(b%2) + 2c + e). With
-    J < 4 words per segment (BK = 32 J), the first J words of each segment in that order: the
-    first 32 J columns of a 128-wide step."""
-    J: gl.constexpr = 4 if BK >= 128 else BK // 32
-    v = gl.reshape(v, [R, BK // (32 * J), 4, J, 2, 2, 2])
-    v = gl.permute(v, [0, 1, 3, 4, 5, 2, 6])
-    return gl.reshape(v, [R, BK])
-
-
-# _UNPACK_SPLIT's value 2r + h of a word is element 4h + r: with a word's 8 values split into
-# bits [4, 5, 6] = (bit 2, bit 1, bit 0) of the index, its values are the natural ones permuted so.
-_SPLIT_PERM = gl.constexpr([0, 1, 2, 3, 5, 6, 4])
-
-
-@gluon.jit
-def _split_order(x):
-    """Activations ``[R, NI, 4, J, 8]`` in natural K order → the order of :data:`_UNPACK_SPLIT`'s
-    values within each word, so that :func:`_to_dot_order` places them as it places those
-    weights."""
-    R: gl.constexpr = x.shape[0]
-    NI: gl.constexpr = x.shape[1]
-    J: gl.constexpr = x.shape[3]
-    return gl.reshape(gl.permute(gl.reshape(x, [R, NI, 4, J, 2, 2, 2]), _SPLIT_PERM.value), [R, NI, 4, J, 8])
-
-
-@gluon.jit
-def _x3(v):
-    """``[R]`` → ``[R, 1, 1]``."""
-    return gl.expand_dims(gl.expand_dims(v, 1), 2)
 
 
 @gluon.jit
@@ -256,165 +127,20 @@ def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.c
 
 
 @gluon.jit
-def _unpack_a(w, s, tables, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr, A_L: gl.constexpr,
-              SPLIT: gl.constexpr = False):
-    """One K step's weights (:func:`_load_w`) unpacked into the wgmma / mma.sync A fragment
-    ``[ROWS, BLOCK_K]``, K in the dot's order (BLOCK_K < 128: words ``[ROWS, 1, 4, BLOCK_K / 32]``,
-    a part of a step that :func:`_to_dot_order` places). ``SPLIT``: by :data:`_UNPACK_SPLIT`,
-    whose K order the activations take through :func:`_split_order`."""
-    z = gl.full([ROWS, max(BLOCK_K // 128, 1), 4, min(BLOCK_K // 32, 4), 8], 0, gl.int32, layout=WL)
-    sb, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(s.to(gl.int32), 3), 4), z)
-    wb, _ = gl.broadcast(gl.expand_dims(w, 4), z)
-    if SPLIT:
-        v = gl.inline_asm_elementwise(_UNPACK_SPLIT, _UNPACK_SPLIT_CONSTRAINTS,
-                                      [wb, sb, z + (tables - 1107263872)],  # 0x7E807E80 = 2^126
-                                      dtype=gl.bfloat16, is_pure=True, pack=8)
-    else:
-        tlo = z + tables
-        thi = z + (tables + 2143305472)  # 0x40403F00
-        v = gl.inline_asm_elementwise(_UNPACK, _UNPACK_CONSTRAINTS, [wb, sb, tlo, thi],
-                                      dtype=gl.bfloat16, is_pure=True, pack=8)
-    # The unpacked registers are the fragment already: the conversion must move nothing.
-    return gl.convert_layout(_to_dot_order(v, ROWS, BLOCK_K), A_L, assert_trivial=True)
-
-
-@gluon.jit
 def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
               A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
     """Unpack one K step's weights into the A fragment, bring its activations in the same K
     order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``."""
-    a = _unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L, SYNC_MMA)
+    a = tile.unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L, SYNC_MMA)
     if SYNC_MMA:  # each lane loaded its B fragments: they move only within its registers
-        b = gl.convert_layout(gl.permute(_to_dot_order(_split_order(x), BLOCK_M, BLOCK_K), [1, 0]), B_L,
+        b = gl.convert_layout(gl.permute(tile.to_dot_order(tile.split_order(x), BLOCK_M, BLOCK_K), [1, 0]), B_L,
                               assert_trivial=True)
         return mma_v2(a, b, acc)
     else:
-        x_smem.store(_to_dot_order(x, BLOCK_M, BLOCK_K))
+        x_smem.store(tile.to_dot_order(x, BLOCK_M, BLOCK_K))
         fence_async_shared()
         gl.thread_barrier()
         return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
-
-
-@gluon.jit
-def _tile_row(r, n0, N, up_offset, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr):
-    """The weight row of tile row ``r`` (see :func:`_weight_rows`)."""
-    if GATED:
-        col = gl.minimum(n0 + 8 * (r // 16) + r % 8, N - 1)
-        return col * GATE_STRIDE + ((r // 8) % 2) * up_offset
-    else:
-        return gl.minimum(n0 + r, N - 1)
-
-
-@gluon.jit
-def _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
-                 GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, ROWS: gl.constexpr, NI: gl.constexpr,
-                 WL: gl.constexpr):
-    """Addresses of the tile's ``ROWS`` weight rows (``w_rows`` as int32 words, ``s_rows``), the word
-    and scale offsets of one K step (``wc``, ``sg``) and the prmt table word (:func:`_tables`).
-
-    Tile row r: gated, column n0 + 8(r//16) + r%8, gate for (r//8) even, else up; otherwise
-    column n0 + r. Columns past N are clamped onto N-1: loaded, never stored."""
-    W4: gl.constexpr = gl.SliceLayout(4, WL)  # words [ROWS, NI, 4, 4]
-    W3: gl.constexpr = gl.SliceLayout(3, W4)  # scales [ROWS, NI, 4]
-    W2: gl.constexpr = gl.SliceLayout(2, W3)
-    W1: gl.constexpr = gl.SliceLayout(1, W2)  # rows
-    wrow = _tile_row(gl.arange(0, ROWS, layout=W1), n0, N, up_offset, GATED, GATE_STRIDE)
-    s_rows = _x3(s_ptr + e64 * stride_se + wrow.to(gl.int64) * stride_sn)
-    w_rows = gl.expand_dims(_x3(w_ptr + e64 * stride_we + wrow.to(gl.int64) * stride_wn), 3)
-    w_rows = w_rows.to(gl.pointer_type(gl.int32), bitcast=True)
-    wi = gl.arange(0, NI, layout=gl.SliceLayout(0, W2))
-    wcc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
-    sg = gl.expand_dims(gl.expand_dims(wi * 4, 0), 2) + gl.expand_dims(gl.expand_dims(wcc, 0), 1)  # [1, NI, 4]
-    wj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, W4))))
-    wc = gl.expand_dims(sg * 4, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(wj, 0), 1), 2)  # [1, NI, 4, 4]
-    return w_rows, s_rows, wc, sg, _tables(wrow)
-
-
-@gluon.jit
-def _tables(wrow):
-    """The prmt table word 0xC0800000 of :func:`_unpack_a` (offset there into the other table
-    word, or into 2^126 for :data:`_UNPACK_SPLIT`), ``[ROWS, 1, 1, 1, 1]``, made opaque
-    and per thread (``wrow`` >= 0, so the OR changes nothing) so that ptxas keeps it in a
-    register rather than copying it from a uniform register before every prmt (~30
-    instructions per K step)."""
-    return gl.expand_dims(gl.expand_dims(_x3(-1065353216 | (wrow >> 31)), 3), 4)
-
-
-@gluon.jit
-def _dot_position(n):
-    """Where natural K offset ``n`` sits in the dot's order of its 128-wide step (see
-    :func:`_to_dot_order`): k = 128i + 32c + 8j + 4b1 + 2b0 + e → 128i + 32j + 16b1 + 8b0 + 2c + e."""
-    k = n % 128
-    return n - k + 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
-
-
-@gluon.jit
-def _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
-              GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-              ROUTE_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
-              PER_PAIR: gl.constexpr = False, AQ: gl.constexpr = 0, AQ_ROUNDING: gl.constexpr = 0):
-    """Bias, gated activation, routing weight and the store of the ``[ROWS, BLOCK_M]``
-    accumulator, in a plain layout: ``[BLOCK_N, BLOCK_M]``, a warp's lanes along N.
-    ``DOT_ORDER_OUT``: columns stored at :func:`_dot_position` and the row's padding up to a
-    multiple of 128 zeroed, the layout
-    :func:`mxfx.kernels.moe_sm90_ws._moe_gemm_sm90_ws` reads. ``PER_PAIR``: block ``blk`` is
-    pair ``blk`` alone (``mxfx.kernels.routing.per_pair``). ``AQ``, ``AQ_ROUNDING``: the output,
-    rounded to its dtype, quantize-dequantized as :func:`mxfx.kernels.mx.qdq` does it (a gated
-    tile's 32 columns are one MX block of each row)."""
-    BLOCK_N: gl.constexpr = ROWS // 2 if GATED else ROWS
-    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, ROWS // 16], [0, 1])
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
-    n_ok = n < N
-    mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
-    m_ok = mo < nrows
-    if PER_PAIR:
-        pairs = blk + mo
-    else:
-        pairs = gl.load(sorted_ptr + blk * BLOCK_M + mo, mask=m_ok, other=0)
-    b_base = bias_ptr + e64 * stride_be
-    if GATED:
-        # Accumulator row 16q + 8u + p is column 8q + p of the gate (u = 0) or up (u = 1).
-        acc = gl.permute(gl.reshape(acc, [ROWS // 16, 2, 8, BLOCK_M]), [0, 2, 3, 1])
-        gate, up = gl.split(acc)
-        gate = gl.convert_layout(gl.reshape(gate, [BLOCK_N, BLOCK_M]), OL)
-        up = gl.convert_layout(gl.reshape(up, [BLOCK_N, BLOCK_M]), OL)
-        if HAS_BIAS:
-            g_rows = n * GATE_STRIDE
-            gate += gl.expand_dims(gl.load(b_base + g_rows * stride_bn, mask=n_ok, other=0.0).to(gl.float32), 1)
-            up += gl.expand_dims(gl.load(b_base + (g_rows + up_offset) * stride_bn, mask=n_ok,
-                                         other=0.0).to(gl.float32), 1)
-        if HAS_LIMIT:
-            gate = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-            up = gl.minimum(gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                            propagate_nan=tl.PropagateNan.ALL)
-        res = gate * (1.0 / (1.0 + gl.exp(-(alpha * gate)))) * (up + beta)
-    else:
-        res = gl.convert_layout(acc, OL)
-        if HAS_BIAS:
-            res += gl.expand_dims(gl.load(b_base + n * stride_bn, mask=n_ok & (ks == 0), other=0.0).to(gl.float32), 1)
-    if ROUTE_WEIGHT:
-        res = res * gl.expand_dims(gl.load(rw_ptr + pairs, mask=m_ok, other=0.0).to(gl.float32), 0)
-    if AQ != 0:  # the next GEMM's input
-        gl.static_assert(BLOCK_N == 32)
-        q = mx.qdq(gl.permute(res.to(out_ptr.dtype.element_ty), [1, 0]), AQ, AQ_ROUNDING, BLOCK_M, BLOCK_N)
-        res = gl.permute(q, [1, 0])
-    rows = out_ptr + ks * stride_os + gl.expand_dims(pairs.to(gl.int64) * stride_om, 0)
-    mask = gl.expand_dims(m_ok, 0) & gl.expand_dims(n_ok, 1)
-    if DOT_ORDER_OUT:
-        # Columns N up to the next multiple of 128 are zeros (the next GEMM's K padding): this
-        # tile's own past N, and the last tile writes those after it.
-        NP = (N + 127) // 128 * 128
-        gl.store(rows + gl.expand_dims(_dot_position(n), 1),
-                 gl.where(gl.expand_dims(n_ok, 1), res, 0.0).to(out_ptr.dtype.element_ty),
-                 mask=gl.expand_dims(m_ok, 0) & gl.expand_dims(n < NP, 1))
-        if n0 + BLOCK_N >= N:
-            for z0 in range(n0 + BLOCK_N, NP, BLOCK_N):
-                z = z0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
-                gl.store(rows + gl.expand_dims(_dot_position(z), 1), gl.zeros_like(res).to(out_ptr.dtype.element_ty),
-                         mask=gl.expand_dims(m_ok, 0))
-    else:
-        gl.store(rows + gl.expand_dims(n, 1), res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -454,7 +180,7 @@ def _x_row_layout(NI):
     """``[128 NI]``, one K step of an activation row in natural order, as :func:`_xb_layout`
     holds one token: lane 4g + c the 32 values of segment c, whatever g (every lane of a
     quad column the same), every warp the same."""
-    reg = [[1 << b] for b in range(5)] + [[128 << b] for b in range(_log2(NI))]
+    reg = [[1 << b] for b in range(5)] + [[128 << b] for b in range(tile.log2(NI))]
     return gl.DistributedLinearLayout(reg, [[32], [64], [0], [0], [0]], [[0], [0]], [], [128 * NI])
 
 
@@ -501,7 +227,7 @@ def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, b
         pairs_x = blk + m
     else:
         pairs_x = gl.load(sorted_ptr + blk * BLOCK_M + m, mask=m < nrows, other=0)
-    x_rows = gl.expand_dims(_x3(a_ptr + (pairs_x // A_ROW_DIV).to(gl.int64) * stride_am), 3)
+    x_rows = gl.expand_dims(tile.x3(a_ptr + (pairs_x // A_ROW_DIV).to(gl.int64) * stride_am), 3)
     x_rows = gl.expand_dims(x_rows, 4)
     xi = gl.arange(0, NI, layout=gl.SliceLayout(0, X2))
     xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
@@ -513,7 +239,7 @@ def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, b
           + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xe, 0), 1), 2), 3))
     # The block's padding rows are not read: a block of few rows would otherwise spend most
     # of its activation traffic on copies of row 0 (T=512: 981 -> 957 µs).
-    x_ok = gl.expand_dims(gl.expand_dims(_x3(m < nrows), 3), 4) & (xk >= 0)  # (& broadcasts to [BM, NI, 4, 4, 8])
+    x_ok = gl.expand_dims(gl.expand_dims(tile.x3(m < nrows), 3), 4) & (xk >= 0)  # (& broadcasts to [BM, NI, 4, 4, 8])
 
     if SYNC_MMA:
         x_smem0 = 0  # unused placeholders: the activations stay in registers
@@ -629,7 +355,7 @@ def _program(
     gl.static_assert(WAIT == 0 or XROW != 0, "a waiting program reads its activation row into shared memory")
     BLOCK_N: gl.constexpr = 32 if GATED else 64
     NI: gl.constexpr = BLOCK_K // 128
-    WL: gl.constexpr = _w_layout(NI)
+    WL: gl.constexpr = tile.w_layout(NI)
     if SYNC_MMA:
         XL: gl.constexpr = _xb_layout(BLOCK_M, NI)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
@@ -660,7 +386,7 @@ def _program(
     nrows = 1 if PER_PAIR_E else gl.load(block_rows_ptr + blk)
     n0 = (pid % num_n) * BLOCK_N
     e64 = expert.to(gl.int64)
-    w_rows, s_rows, wc, sg, tables = _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
+    w_rows, s_rows, wc, sg, tables = tile.weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
                                                   n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
 
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
@@ -683,7 +409,7 @@ def _program(
     else:
         acc = _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
                       NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA)
-    _epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+    tile.epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
     if COUNTERS == 2:

@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import mx, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv
-from mxfx.kernels.moe_sm90 import _epilogue, _log2, _tables, _tile_row, _unpack_a, _w_layout, _weight_rows
+from mxfx.kernels.sm90_tile import epilogue, log2, tables_word, tile_row, unpack_a, w_layout, weight_rows
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
 # expert with up to 160 rows unpacks its weights once. (gpt-oss-120b, H200, 128-row blocks:
@@ -107,7 +107,7 @@ def _ring_words_layout(ROWS):
     rows 16w + t/4 and +8 gets the 4 contiguous words of segment t%4 (the unpack's input)."""
     reg = [[0, 1], [0, 2], [8, 0]]
     lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
-    warp = [[16 << b, 0] for b in range(_log2(ROWS // 16))]
+    warp = [[16 << b, 0] for b in range(log2(ROWS // 16))]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [ROWS, 16])
 
 
@@ -140,7 +140,7 @@ def _w_rows(stride_wn, n0, N, up_offset, r0, GATED: gl.constexpr, GATE_STRIDE: g
     r = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, WL))
     wk = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WL)), 0) + gl.expand_dims(r * 0, 1)
     # Rows are 16-byte aligned (fits()).
-    return gl.expand_dims(_tile_row(r, n0, N, up_offset, GATED, GATE_STRIDE) * (stride_wn // 4), 1) + wk, wk
+    return gl.expand_dims(tile_row(r, n0, N, up_offset, GATED, GATE_STRIDE) * (stride_wn // 4), 1) + wk, wk
 
 
 @gluon.jit
@@ -214,7 +214,7 @@ def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, ac
     w0, w1 = gl.split(gl.permute(w, [0, 1, 2, 4, 3]))
     x = x_smem.index(s).slice(0, MR)
     x2 = x2_smem.index(s)
-    f0 = _unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+    f0 = unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
     if p0 is not None:  # the step before's first half retires, its second stays in flight
         if TWO:
             acc, acc2, p0 = warpgroup_mma_wait(2, deps=[acc, acc2, p0])
@@ -223,7 +223,7 @@ def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, ac
     acc = warpgroup_mma(f0, x.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
     if TWO:
         acc2 = warpgroup_mma(f0, x2.slice(0, 64, dim=1).permute((1, 0)), acc2, is_async=True)
-    f1 = _unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+    f1 = unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
     if p0 is not None:  # then its second: once every warp is past the wait, its slot is free
         if TWO:
             acc, acc2, p1 = warpgroup_mma_wait(2, deps=[acc, acc2, p1])
@@ -249,18 +249,18 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
     ``MR2`` more from ``x2_smem`` by a second MMA on the same fragments); ``g`` as in
     :func:`_produce`."""
     NS: gl.constexpr = (K + 127) // 128
-    WL: gl.constexpr = _w_layout(1, 4)
-    WH: gl.constexpr = _w_layout(1, 4, 2)  # the words of half a step
+    WL: gl.constexpr = w_layout(1, 4)
+    WH: gl.constexpr = w_layout(1, 4, 2)  # the words of half a step
     # Tile rows 64 G + r are the rows r of the tile 32 G (gated) or 64 G columns further.
     n0 = n0 + G * (32 if GATED else 64)
-    _, s_rows, _, sg, _ = _weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
+    _, s_rows, _, sg, _ = weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
                                        up_offset, GATED, GATE_STRIDE, 64, 1, WL)
     # The scales [64, 1, 4] and prmt tables in the half-step unpack's layout (a relabelling).
     S3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, WH))
     s_rows = gl.convert_layout(s_rows, S3, assert_trivial=True)
     sg = gl.convert_layout(sg, S3, assert_trivial=True)
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))
-    tables = _tables(_tile_row(rows, n0, N, up_offset, GATED, GATE_STRIDE))
+    tables = tables_word(tile_row(rows, n0, N, up_offset, GATED, GATE_STRIDE))
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, MR, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     acc = gl.zeros([64, MR], gl.float32, layout=MMA)
@@ -282,11 +282,11 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
     if NS % STEPS_PER_WAIT:
         acc, acc2, sc = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem,
                                x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
-    _epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+    epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
               stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
               ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT)
     if MR2 > 0:
-        _epilogue(acc2, 0, nrows - MR, n0, 0, e64, pairs_ptr + MR, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+        epilogue(acc2, 0, nrows - MR, n0, 0, e64, pairs_ptr + MR, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                   stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
                   ROUTE_WEIGHT, MR2, 64, DOT_ORDER_OUT)
 
