@@ -90,7 +90,8 @@ def _xb_layout(BM, NI):
     them: lane 4g + c holds segment c of tokens g, g + 8, ... (all 32 values), every warp the
     same (each warp multiplies the whole block of tokens by its 16 weight rows)."""
     reg = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0]]
-    reg += [[0, 1 << b, 0, 0, 0] for b in range(tile.log2(NI))] + [[8 << b, 0, 0, 0, 0] for b in range(tile.log2(BM) - 3)]
+    reg += [[0, 1 << b, 0, 0, 0] for b in range(tile.log2(NI))]
+    reg += [[8 << b, 0, 0, 0, 0] for b in range(tile.log2(BM) - 3)]
     lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
     warp = [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BM, NI, 4, 4, 8])
@@ -351,7 +352,7 @@ def _program(
     many steps ahead; 0: :func:`_k_loop`'s."""
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
-    gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "the activation row in shared memory: per-pair mma.sync")
+    gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "activation row in shared memory: per-pair mma.sync")
     gl.static_assert(WAIT == 0 or XROW != 0, "a waiting program reads its activation row into shared memory")
     BLOCK_N: gl.constexpr = 32 if GATED else 64
     NI: gl.constexpr = BLOCK_K // 128
@@ -387,7 +388,7 @@ def _program(
     n0 = (pid % num_n) * BLOCK_N
     e64 = expert.to(gl.int64)
     w_rows, s_rows, wc, sg, tables = tile.weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
-                                                  n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
+                                                      n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
 
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
     if SPLIT_K == 1:
@@ -410,8 +411,8 @@ def _program(
         acc = _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
                       NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA)
     tile.epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-              stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-              ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
+                  stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                  ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
     if COUNTERS == 2:
         _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
                        n0 // BLOCK_N, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)

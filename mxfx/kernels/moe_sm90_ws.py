@@ -254,7 +254,7 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
     # Tile rows 64 G + r are the rows r of the tile 32 G (gated) or 64 G columns further.
     n0 = n0 + G * (32 if GATED else 64)
     _, s_rows, _, sg, _ = weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
-                                       up_offset, GATED, GATE_STRIDE, 64, 1, WL)
+                                      up_offset, GATED, GATE_STRIDE, 64, 1, WL)
     # The scales [64, 1, 4] and prmt tables in the half-step unpack's layout (a relabelling).
     S3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, WH))
     s_rows = gl.convert_layout(s_rows, S3, assert_trivial=True)
@@ -283,12 +283,12 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
         acc, acc2, sc = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem,
                                x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
     epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-              stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-              ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT)
+             stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+             ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT)
     if MR2 > 0:
         epilogue(acc2, 0, nrows - MR, n0, 0, e64, pairs_ptr + MR, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                  stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-                  ROUTE_WEIGHT, MR2, 64, DOT_ORDER_OUT)
+                 stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                 ROUTE_WEIGHT, MR2, 64, DOT_ORDER_OUT)
 
 
 @gluon.jit
