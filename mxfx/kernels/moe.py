@@ -567,8 +567,8 @@ def _sync_buffer(x: torch.Tensor) -> Optional[torch.Tensor]:
     """The counters for ``x``'s device and the current stream (allocated zeroed there on first
     use), where the per-pair GEMMs run as one launch: in eager calls only. A CUDA graph being
     captured gets None, so two launches: there the host's launch time is paid once, at capture,
-    and the pair is faster on the GPU (gpt-oss-120b T=1: 32.0 against 37.5 µs; in one launch
-    GEMM2's programs take GEMM1's 125 registers, not their own 64, so half as many fit an SM)."""
+    and the pair is faster on the GPU (gpt-oss-120b T=1: 30.4 against 38.3 µs; in one launch
+    GEMM2's programs take GEMM1's 96 registers, not their own 80, and wait on GEMM1's)."""
     if not x.is_cuda:  # launches recorded or compiled, not run
         return torch.zeros(_SYNC_WORDS, dtype=torch.int32)
     if torch._C._cuda_isCurrentStreamCapturing():

@@ -111,20 +111,15 @@ def _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _load_x(x_rows, x_ok, xk, k0, k_end, MASKED: gl.constexpr):
-    """The activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0`` (zeros for the rows where
-    ``x_ok`` is false; ``MASKED``: and from ``k_end`` on)."""
-    if MASKED:
-        return gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
-    else:
-        return gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
-
-
-@gluon.jit
 def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
-    """:func:`_load_w` and :func:`_load_x` of the K step at ``k0``."""
+    """:func:`_load_w` and the activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0``
+    (zeros for the rows where ``x_ok`` is false)."""
     w, s = _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED)
-    return w, s, _load_x(x_rows, x_ok, xk, k0, k_end, MASKED)
+    if MASKED:
+        x = gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
+    else:
+        x = gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
+    return w, s, x
 
 
 @gluon.jit
@@ -286,12 +281,12 @@ def _k_loop_x_row(acc, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, k_lo, 
     for j in gl.static_range(STAGES):
         if j < NS:
             bufs = bufs + (_load_w(w_rows, s_rows, wc, sg, k_lo + j * BLOCK_K, k_end, j >= NFULL),)
-    if WAIT:
+    x_end = k_end
+    if WAIT:  # (the acquire's value must be used, or ptxas drops the acquire)
         ok = gl.inline_asm_elementwise(_WAIT, "=r,l,r", [ready.to(gl.int64, bitcast=True), WAIT],
                                        dtype=gl.int32, is_pure=False, pack=1) >= WAIT
-        x_all = _x_row_to_smem(a_ptr, row, k_lo, gl.where(ok, k_end, k_lo), NS, NI)
-    else:
-        x_all = _x_row_to_smem(a_ptr, row, k_lo, k_end, NS, NI)
+        x_end = gl.where(ok, k_end, k_lo)
+    x_all = _x_row_to_smem(a_ptr, row, k_lo, x_end, NS, NI)
     ITER: gl.constexpr = (NFULL - STAGES) // STAGES if NFULL >= STAGES else 0
     if ITER > 0:
         for it in range(ITER):
