@@ -396,12 +396,13 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     quantization); everything else to the portable kernel (launches recorded)."""
     import dataclasses
 
-    from mxfx.kernels import launch, moe_sm90, moe_sm90_ws
+    from mxfx.kernels import launch, moe, moe_sm90, moe_sm90_ws
     from mxfx.kernels.activation import gated_activation
 
     launched = []
     monkeypatch.setattr(launch.Launcher, "_launch", lambda self, grid, a, meta: launched.append((self._kernel.__name__, meta)))
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # T=3 on grouped 8-row blocks, not per pair
     E, H, I, k = 4, 160, 224, 2  # K loops of two steps (one-step ones are not warp-specialized)
 
     def kernels(T, dtype=torch.bfloat16, quantized=True, w13=None, aq=ActivationQuant()):

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from mxfx.activation import GPT_OSS  # noqa: E402
-from mxfx.backends.base import ActivationQuant  # noqa: E402
+from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import activation, launch, moe  # noqa: E402
 from mxfx.kernels.replay import Replayer  # noqa: E402
 
@@ -175,11 +175,13 @@ def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T
     captured), one token's pairs are each their own block: both GEMMs read the ids
     themselves (for the blocks' experts, the pairs and the blocks' rows), no routing kernel
     runs, and GEMM2 sums the slots into the output at counters that GEMM1 zeroes, with no
-    ``_sum_slots`` launch. Two tokens of 8 experts (of 32 or more they would be per pair, see
-    the next test) are grouped by the routing kernel."""
+    ``_sum_slots`` launch. Two tokens whose expected repeats cost more than
+    ``PER_PAIR_REPEAT_BYTES`` (here 0; see test_few_repeats_go_per_pair) are grouped by the
+    routing kernel."""
     from mxfx.kernels import moe_sm90
 
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)
     inputs = _inputs(T, 0)
     out = moe._fused_moe(*inputs, GPT_OSS, ActivationQuant())
     names = [name for name, _, _ in logged]
@@ -223,17 +225,42 @@ def test_per_pair_gemms_run_as_one_launch_given_counters(logged, monkeypatch, wo
         assert (call.index(sync.data_ptr()), len(inputs) - 1, 0) in step.patches
 
 
-@pytest.mark.parametrize("T,E,k,per_pair", [(1, 8, 8, True), (2, 128, 8, True), (3, 128, 8, False),
-                                            (4, 128, 4, True), (5, 128, 4, False), (2, 64, 4, True)])
-def test_few_pairs_against_the_experts_go_per_pair(monkeypatch, T, E, k, per_pair):
-    """Per-pair blocks where the GEMMs run mma.sync and there is one token or the pairs are at
-    most an eighth of the experts (few repeats); grouped blocks elsewhere."""
+def _model_weights(E: int, H: int, I: int) -> MoEWeights:
+    """MXFP4 weights of a model's sizes, every expert a view of one (only their sizes are read)."""
+    def t(*shape, dtype=torch.uint8):
+        return torch.zeros(1, *shape, dtype=dtype).expand(E, *shape)
+
+    return MoEWeights(t(2 * I, H // 2), t(2 * I, H // 32), t(2 * I, dtype=torch.bfloat16), t(H, I // 2),
+                      t(H, I // 32), t(H, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("T,E,k,H,I,per_pair", [
+    (1, 8, 2, 4096, 14336, True),  # one token: its experts are distinct
+    (6, 128, 4, 2880, 2880, True),  # gpt-oss-120b: 2.1 repeats expected of 13.2 MB, 27 MB
+    (7, 128, 4, 2880, 2880, False),  # 2.8 repeats, 37 MB
+    (4, 128, 8, 2048, 768, True),  # Qwen3-30B-A3B: 3.7 repeats of 2.5 MB
+    (12, 128, 8, 2048, 768, False),  # 28 repeats, 71 MB
+    (2, 8, 2, 4096, 14336, False),  # Mixtral-8x7B: 0.7 repeats of 94 MB
+])
+def test_few_repeats_go_per_pair(monkeypatch, T, E, k, H, I, per_pair):
+    """Per-pair blocks where the GEMMs run mma.sync and there is one token or the experts that
+    uniformly routed pairs are expected to repeat cost at most ``PER_PAIR_REPEAT_BYTES``;
+    grouped blocks elsewhere."""
     monkeypatch.setattr(moe, "align", lambda ids, E, block_m: "grouped")
     ids = torch.zeros(T, k, dtype=torch.int32)
+    w = _model_weights(E, H, I)
     for sync in (True, False):
         cfg = moe.GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, sm90=True, sync_mma=sync)
-        routing = moe._route(ids, E, cfg)
+        routing = moe._route(ids, w, cfg)
         assert routing == "grouped" if not (per_pair and sync) else routing.per_pair_experts == E
+
+
+@pytest.mark.parametrize("P,E", [(24, 128), (64, 128), (16, 32), (4, 8)])
+def test_expected_repeats_match_random_routing(P, E):
+    g = torch.Generator().manual_seed(P)
+    ids = torch.randint(0, E, (20000, P), generator=g)
+    seen = torch.zeros(20000, E).scatter_(1, ids, 1.0).sum(1)
+    assert moe.expected_repeats(P, E) == pytest.approx((P - seen).mean().item(), rel=0.03)
 
 
 @pytest.mark.parametrize("pairs,E,H,split", [(4, 128, 2880, 4), (2, 8, 4096, 4), (8, 128, 2880, 1),

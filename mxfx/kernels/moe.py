@@ -489,17 +489,41 @@ def _sizes(x: torch.Tensor, topk_ids: torch.Tensor, weights: MoEWeights) -> tupl
     return T, H, topk_ids.shape[1], inter
 
 
-def _route(topk_ids: torch.Tensor, num_experts: int, cfg: GemmConfig) -> Routing:
+# Per-pair blocks read a repeated expert's weights once per pair: they are taken while the
+# repeats expected of uniformly routed pairs cost at most this many bytes (see _route).
+PER_PAIR_REPEAT_BYTES = 32e6
+
+
+def expected_repeats(num_pairs: int, num_experts: int) -> float:
+    """Pairs expected to land on an expert an earlier pair took, for uniformly random ids:
+    the pairs less the distinct experts expected among them."""
+    return num_pairs - num_experts * (1 - (1 - 1 / num_experts) ** num_pairs)
+
+
+def _expert_bytes(weights: MoEWeights) -> int:
+    """Bytes of one expert's weights, scales and biases."""
+    parts = (weights.w13, weights.w13_scale, weights.w13_bias, weights.w2, weights.w2_scale, weights.w2_bias)
+    return sum(t[0].numel() * t.element_size() for t in parts if t is not None)
+
+
+def _route(topk_ids: torch.Tensor, weights: MoEWeights, cfg: GemmConfig) -> Routing:
     """The pairs grouped by expert (:mod:`mxfx.kernels.routing`); each pair in its own block,
-    without a routing kernel, where the GEMMs run mma.sync (elsewhere the ids' device-side check
-    would be a call inside the kernel, which serializes wgmma) and either there is one token
-    (whose experts are distinct) or the pairs are at most an eighth of the experts, so that few
-    experts repeat (a repeated expert's weights are read and unpacked once per pair). H200,
-    gpt-oss-120b in a CUDA graph, alternating processes: T=2 59.1-61.7 -> 55.2 µs, T=3
-    78.8-81.9 -> 79.2-79.3, T=4 94.4-94.8 -> 93.1-93.2."""
-    if cfg.sync_mma and (topk_ids.shape[0] == 1 or 8 * topk_ids.numel() <= num_experts):
-        return per_pair(topk_ids, num_experts, cfg.block_m)
-    return align(topk_ids, num_experts, cfg.block_m)
+    without a routing kernel or a k-sum launch, where the GEMMs run mma.sync (elsewhere the
+    ids' device-side check would be a call inside the kernel, which serializes wgmma) and
+    either there is one token (whose experts are distinct) or the repeated experts' weights,
+    read once per pair, are expected to cost at most ``PER_PAIR_REPEAT_BYTES``. H200, graph
+    µs, min of 2 alternating rounds, grouped / per pair (expected repeat bytes):
+    gpt-oss-120b T=4 91.9 / 79.9 (10 MB), T=5 105.7 / 97.4 (19), T=6 119.6 / 112.8 (27), T=7
+    139.0 / 140.4 (37), T=8 151.0 / 149.6 (49); gpt-oss-20b T=2 53.9 / 47.1 (11), T=3 66.9 /
+    64.8 (25), T=4 83.7 / 79.1 (43); MiniMax-M3 T=3 137.8 / 127.8 (16), T=4 170.8 / 168.9
+    (24), T=5 208.0 / 212.3 (43); Qwen3-30B-A3B T=3 35.6 / 29.7 (5), T=4 42.3 / 35.9 (9), T=8
+    63.3 / 59.3 (34), T=12 79.0 / 83.0 (71), T=16 94.2 / 108.7 (117); Mixtral-8x7B T=2 137.2 /
+    146.3 (65)."""
+    E = weights.num_experts
+    repeat_bytes = expected_repeats(topk_ids.numel(), E) * _expert_bytes(weights)
+    if cfg.sync_mma and (topk_ids.shape[0] == 1 or repeat_bytes <= PER_PAIR_REPEAT_BYTES):
+        return per_pair(topk_ids, E, cfg.block_m)
+    return align(topk_ids, E, cfg.block_m)
 
 
 def _k_sum_counters(routing: Routing, T: int, H: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -619,7 +643,7 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     hopper = hopper_fits(x, weights) and not native
     cfg = pick_config(T * k, weights.num_experts, H, hopper,
                       hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size), inter_size)
-    routing = _route(topk_ids, weights.num_experts, cfg)
+    routing = _route(topk_ids, weights, cfg)
     if cfg.ws:
         # Both GEMM inputs in the dot's K order (quantize-dequantized on the way under
         # activation quantization): x here, the intermediate as GEMM1 stores it or, under
@@ -688,7 +712,7 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
     hopper = hopper_fits(x, weights)
     cfg = pick_config(T * k, weights.num_experts, H, hopper,
                       hopper and moe_sm90_ws.fits(weights, T * k, H, inter_size), inter_size)
-    routing = _route(topk_ids, weights.num_experts, cfg)
+    routing = _route(topk_ids, weights, cfg)
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
     counters = _k_sum_counters(routing, T, H, x.device)
     # The warp-specialized kernel reads both GEMM inputs in the dot's K order.

@@ -327,7 +327,7 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
     x, _, ids = _inputs(T, H, E, k, torch.bfloat16, seed=T)
     cfg = moe.pick_config(T * k, E, H, hopper=True, warp_specialized=False)
     assert cfg.sm90 and cfg.sync_mma == (pad == 0)
-    routing = moe._route(ids, E, cfg)
+    routing = moe._route(ids, W, cfg)
     inter = []
     for aq in (ActivationQuant(fmt, "even"), ActivationQuant()):
         out = torch.full((T * k, I), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -406,9 +406,10 @@ def test_one_step_k_loops_are_not_warp_specialized(monkeypatch, H, I):
                                     (4, "32 pairs")])
 @pytest.mark.parametrize("fn", [moe.fused_moe, _unfused], ids=["fused", "unfused"])
 def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
-    """On Hopper, few pairs against the experts (one token; here up to 16 pairs of 128
-    experts, or 32 of 256) take per-pair blocks: no routing kernel, and GEMM2's last program of each token
-    and column tile sums the slots, with no ``_sum_slots`` launch; an eager fused_moe runs both
+    """On Hopper, one token, or pairs whose expected repeated experts cost little (here up to
+    16 pairs of 128 small experts, or 32 of 256), take per-pair blocks: no routing kernel, and
+    GEMM2's last program of each token and column tile sums the slots, with no
+    ``_sum_slots`` launch; an eager fused_moe runs both
     GEMMs in one launch (on two streams at once too), a CUDA graph of it two. The output
     equals, to the bit, the grouped path's (routing kernel and ``_sum_slots``, the activations
     in registers rather than the per-pair blocks' row in shared memory), with unrouted
@@ -468,7 +469,7 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     again = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
     torch.cuda.synchronize()
     assert not any(b.any() for b in moe._sync.values())
-    monkeypatch.setattr(moe, "_route", lambda ids, E, cfg: routing.align(ids, E, cfg.block_m))
+    monkeypatch.setattr(moe, "_route", lambda ids, w, cfg: routing.align(ids, w.num_experts, cfg.block_m))
     for replayer in (moe._FUSED, moe._UNFUSED):  # recorded launches would skip _route
         monkeypatch.setattr(replayer, "_plans", {})
     gemms.clear()
