@@ -247,6 +247,7 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
     from mxfx.kernels import launch, moe_sm90
 
     monkeypatch.setattr(launch, "ENABLED", True)
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # grouped blocks, two GEMM launches
     E, H, I, k, T = 8, 352, 224, 2, 9  # 2.25 rows per expert: moe_sm90, which reads x itself
     W = _weights(E, H, I, torch.bfloat16)
     x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=7)
@@ -290,6 +291,7 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
         pytest.skip("needs a Hopper GPU")
     for replayer in (moe._FUSED, moe._UNFUSED):  # each first call runs the launch code
         monkeypatch.setattr(replayer, "_plans", {})
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # past one token, grouped blocks
     calls, in_one = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_sm90.PER_PAIR_SM90)
     kw = {} if sync else {"pad": 4}
     one = T == 1  # per-pair blocks: fused_moe's GEMMs in one launch
