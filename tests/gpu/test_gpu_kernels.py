@@ -410,9 +410,9 @@ def test_one_step_k_loops_are_not_warp_specialized(monkeypatch, H, I):
 def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     """On Hopper, one token, or pairs whose expected repeated experts cost little (here up to
     16 pairs of 128 small experts, or 32 of 256), take per-pair blocks: no routing kernel, and
-    GEMM2's last program of each token and column tile sums the slots, with no
-    ``_sum_slots`` launch; an eager fused_moe runs both
-    GEMMs in one launch (on two streams at once too), a CUDA graph of it two. The output
+    GEMM2's last program of each token and column tile sums the slots, with no ``_sum_slots``
+    launch; an eager fused_moe runs both GEMMs in one launch (on two streams at once too), a
+    CUDA graph of it two. The output
     equals, to the bit, the grouped path's (routing kernel and ``_sum_slots``, the activations
     in registers rather than the per-pair blocks' row in shared memory), with unrouted
     slots (T=3: one of token 1's, all of token 2's; or the single token's all) and an expert
