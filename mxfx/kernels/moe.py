@@ -520,8 +520,8 @@ def _route(topk_ids: torch.Tensor, weights: MoEWeights, cfg: GemmConfig) -> Rout
     63.3 / 59.3 (34), T=12 79.0 / 83.0 (71), T=16 94.2 / 108.7 (117); Mixtral-8x7B T=2 137.2 /
     146.3 (65)."""
     E = weights.num_experts
-    repeat_bytes = expected_repeats(topk_ids.numel(), E) * _expert_bytes(weights)
-    if cfg.sync_mma and (topk_ids.shape[0] == 1 or repeat_bytes <= PER_PAIR_REPEAT_BYTES):
+    if cfg.sync_mma and (topk_ids.shape[0] == 1 or expected_repeats(topk_ids.numel(), E) * _expert_bytes(weights)
+                         <= PER_PAIR_REPEAT_BYTES):
         return per_pair(topk_ids, E, cfg.block_m)
     return align(topk_ids, E, cfg.block_m)
 
