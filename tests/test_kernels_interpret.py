@@ -342,10 +342,10 @@ def test_launcher_passes_the_arguments_as_triton_does():
     from triton.runtime import JITFunction
     from triton.runtime.jit import create_function_from_signature
 
-    from mxfx.kernels import moe, moe_sm90
+    from mxfx.kernels import moe_portable, moe_sm90
     from mxfx.kernels.launch import Launcher
 
-    for kernel in (moe._moe_gemm, moe._sum_slots, routing._place_kernel, routing._count_kernel,
+    for kernel in (moe_portable._moe_gemm, moe_portable._sum_slots, routing._place_kernel, routing._count_kernel,
                    moe_sm90._moe_gemm_sm90, moe_sm90._moe_per_pair_sm90):
         jit = JITFunction(kernel.fn)
         launcher = Launcher(jit)

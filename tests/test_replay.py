@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from mxfx.activation import GPT_OSS  # noqa: E402
 from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
-from mxfx.kernels import activation, launch, moe  # noqa: E402
+from mxfx.kernels import activation, launch, moe, moe_portable  # noqa: E402
 from mxfx.kernels.replay import Replayer  # noqa: E402
 
 E, H, I, K = 8, 64, 96, 2
@@ -336,7 +336,7 @@ def test_a_recording_sees_only_its_own_threads_launches():
 def _one_launch(a: torch.Tensor, b: torch.Tensor, view=lambda t: t, ret=None) -> torch.Tensor:
     """A host function of one launch (the k-sum kernel's launcher, logged by the fixture)."""
     out = torch.empty(a.shape, dtype=a.dtype)
-    moe._SUM_SLOTS[(1,)](view(a), b, out, 4, 1, 4, 4, TOPK=1, SPLIT_K=1, BLOCK_H=4)
+    moe_portable.SUM_SLOTS[(1,)](view(a), b, out, 4, 1, 4, 4, TOPK=1, SPLIT_K=1, BLOCK_H=4)
     return out if ret is None else ret(a, out)
 
 

@@ -4,9 +4,9 @@ bound by its instruction count. Its tile (weight rows, MXFP4 unpack into A fragm
 epilogue) is :mod:`mxfx.kernels.sm90_tile`, which :mod:`mxfx.kernels.moe_sm90_ws`, the
 warp-specialized kernel for many rows per block, shares.
 
-:func:`_moe_gemm_sm90` takes the same runtime arguments as ``moe._moe_gemm`` and computes the
-same GEMM1 (gated or not) and GEMM2 epilogues, the intermediate's activation quantization
-included. What differs is how the weights reach the tensor cores:
+:func:`_moe_gemm_sm90` takes the same runtime arguments as ``moe_portable._moe_gemm`` and
+computes the same GEMM1 (gated or not) and GEMM2 epilogues, the intermediate's activation
+quantization included. What differs is how the weights reach the tensor cores:
 
 - One warpgroup (4 warps) owns 64 weight rows; the accumulator is ``[64, BLOCK_M]`` with the
   weights as the MMA's A operand, unpacked in registers (:func:`sm90_tile.unpack_a`).
@@ -145,8 +145,8 @@ def _sum_when_last(cnt_ptr, ids_ptr, y_ptr, stride_ys, stride_ym, sum_ptr, strid
     """GEMM2 on per-pair blocks: after this program's partial of token ``t``'s column tile ``j``
     is stored (or skipped, for an unrouted slot), counts it at ``cnt_ptr[t, j]``; the last of the
     tile's ``TOPK * SPLIT_K`` programs sums their partials into ``sum_ptr`` in the order
-    ``moe._sum_slots`` does (slots, then splits; unrouted slots skipped), so the result is the
-    same to the bit, one launch fewer."""
+    ``moe_portable._sum_slots`` does (slots, then splits; unrouted slots skipped), so the result
+    is the same to the bit, one launch fewer."""
     # The barrier orders every thread's stores before the one thread's release (and, after
     # the atomic, its acquire before every thread's loads).
     gl.thread_barrier()

@@ -1,8 +1,8 @@
 """The MoE GEMM for Hopper (sm_90) in Gluon when many rows share each weight (large T):
 warp-specialized, for MXFP4 weights and bfloat16 activations.
 
-:func:`_moe_gemm_sm90_ws` takes the runtime arguments of ``moe._moe_gemm`` and computes the
-same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
+:func:`_moe_gemm_sm90_ws` takes the runtime arguments of ``moe_portable._moe_gemm`` and computes
+the same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
 K permuted inside each 128-wide step. What differs is the data flow. A tile is 64 weight rows
 per consumer warpgroup (32 outputs of a gated GEMM), 192 rows with the three consumers, over

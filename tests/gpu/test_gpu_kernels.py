@@ -16,6 +16,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device"),
 ]
 moe = pytest.importorskip("mxfx.kernels.moe")
+moe_portable = pytest.importorskip("mxfx.kernels.moe_portable")
 activation = pytest.importorskip("mxfx.kernels.activation")
 
 
@@ -159,7 +160,7 @@ def test_scaled_mma_path_equals_emulation(monkeypatch, fmt, T, E, H, I, dtype, t
 
     monkeypatch.setattr(mx, "native_scaled_mma", lambda device: True)
     monkeypatch.setattr(moe._FUSED, "_plans", {})
-    seen = _spy(monkeypatch, moe._GEMM)
+    seen = _spy(monkeypatch, moe_portable.GEMM)
     _check(moe.fused_moe, T, E, H, I, 4 if E == 8 else 2, dtype, GPT_OSS, aq=ActivationQuant(fmt, "even"), tol=tol)
     assert [m["A_FMT"] for m in seen] == [mx.FMT_CODES[fmt]] * 2
 
@@ -255,7 +256,7 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 != 0
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
-    launchers = (moe._GEMM, moe_sm90.GEMM_SM90)
+    launchers = (moe_portable.GEMM, moe_sm90.GEMM_SM90)
     # Earlier tests' launches of the same kernels, and their launch plans, are not counted.
     for g in launchers:
         monkeypatch.setattr(g, "_compiled", {})
@@ -432,7 +433,7 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
         ids.fill_(-1)
     if case == "repeated":
         ids[3] = ids[0].flip(0)
-    gemms, sums = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe._SUM_SLOTS)
+    gemms, sums = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_portable.SUM_SLOTS)
     in_one = _spy(monkeypatch, moe_sm90.PER_PAIR_SM90)
     out = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
     if fn is moe.fused_moe:
