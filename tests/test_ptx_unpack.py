@@ -95,14 +95,15 @@ def _bf16_bits(x: torch.Tensor) -> np.ndarray:
     return (x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int32) & 0xFFFF).astype(U32)
 
 
-@pytest.mark.parametrize("name", ["_PTX_PAIRS", "_PTX_HALVES", "moe_sm90", "moe_sm90_split"])
+@pytest.mark.parametrize("name", ["_PTX_PAIRS", "_PTX_HALVES", "moe_sm90", "moe_sm90_split", "moe_sm90_split_small"])
 def test_ptx_text_matches_formats(name):
     g = torch.Generator().manual_seed(0)
     n = 1024
     packed = torch.randint(0, 256, (n, 16), generator=g, dtype=torch.uint8)
     packed[:16, :4] = (torch.arange(16, dtype=torch.uint8) * 17)[:, None]  # every nibble value
-    scales = torch.randint(0, 256, (n, 1), generator=g, dtype=torch.uint8)
-    scales[:4, 0] = torch.tensor([0, 255, 1, 254], dtype=torch.uint8)
+    small = name == "moe_sm90_split_small"  # exact for scales up to 128 only
+    scales = torch.randint(0, 129 if small else 256, (n, 1), generator=g, dtype=torch.uint8)
+    scales[:4, 0] = torch.tensor([0, 128, 1, 127] if small else [0, 255, 1, 254], dtype=torch.uint8)
     # A word's 4 bytes lead a 32-block: the kernels give a word one scale.
     ref = _bf16_bits(formats.dequantize(packed, scales, "mxfp4", torch.bfloat16)[:, :8])
     word = packed[:, :4].contiguous().view(torch.int32).numpy()[:, 0].view(U32)
@@ -111,13 +112,16 @@ def test_ptx_text_matches_formats(name):
         out = run_ptx(sm90_tile.UNPACK.value, {"$4": word, "$12": s, "$20": U32(0xC0800000), "$28": U32(0x40403F00)})
     elif name == "moe_sm90_split":  # the scale byte, and 2^126 in both bf16 halves
         out = run_ptx(sm90_tile.UNPACK_SPLIT.value, {"$4": word, "$12": s, "$20": U32(0x7E807E80)})
+    elif small:
+        out = run_ptx(sm90_tile.UNPACK_SPLIT_SMALL.value, {"$4": word, "$12": s})
     else:
         sb = np.where(s == 0, U32(0x40), np.where(s == 255, U32(0x7FC0), s << U32(7)))
         out = run_ptx(getattr(mx, name).value, {"$4": word, "$5": sb | (sb << U32(16))})
     got = np.stack([(out[f"${i}"] >> U32(sh)) & U32(0xFFFF) for i in range(4) for sh in (0, 16)], axis=1)
     # Pairs: $i = elements 2i, 2i+1; halves: $0, $1 = even elements of bytes 0-1, 2-3, then odd;
     # split: $i = elements i, i + 4.
-    order = {"_PTX_HALVES": [0, 2, 4, 6, 1, 3, 5, 7], "moe_sm90_split": [0, 4, 1, 5, 2, 6, 3, 7]}
+    order = {"_PTX_HALVES": [0, 2, 4, 6, 1, 3, 5, 7], "moe_sm90_split": [0, 4, 1, 5, 2, 6, 3, 7],
+             "moe_sm90_split_small": [0, 4, 1, 5, 2, 6, 3, 7]}
     want = ref[:, order.get(name, range(8))]
     nan = ((want & 0x7F80) == 0x7F80) & ((want & 0x7F) != 0)
     assert ((got & 0x7F80) == 0x7F80)[nan].all() and ((got & 0x7F) != 0)[nan].all()  # NaN stays NaN

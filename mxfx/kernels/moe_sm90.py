@@ -21,7 +21,10 @@ buffers rotate without copies); rows past N are clamped and never stored, so onl
 (with split K, the steps past those the shortest split has whole) is masked. A per-pair block
 (one activation row) keeps its row in shared memory instead, where every lane reads its
 fragments each step, so the registers hold the weights of 3 or 4 steps ahead
-(:func:`_k_loop_x_row`).
+(:func:`_k_loop_x_row`). The mma.sync loops unpack by one multiply per output
+(:data:`sm90_tile.UNPACK_SPLIT_SMALL`), exact while the weights' scales are at most 128; a
+program that met a larger scale runs its loop again by the unpack exact for every scale
+(:func:`_k_loops_exact`).
 
 :func:`_moe_per_pair_sm90` runs a per-pair call's two GEMMs (and its k-sum) as one launch, the
 second GEMM's programs waiting on counters for the first's: one launch's host time in an eager
@@ -123,20 +126,24 @@ def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.c
 
 
 @gluon.jit
-def _mma_step(acc, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
-              A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
+def _mma_step(acc, smax, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
+              A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr):
     """Unpack one K step's weights into the A fragment, bring its activations in the same K
-    order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``."""
-    a = tile.unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L, SYNC_MMA)
+    order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``.
+    ``SMALL_SCALES`` (mma.sync only): by the unpack that is exact for scales up to 128, and
+    ``smax`` keeps the largest scale it took, for the caller to check."""
+    a = tile.unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L, SYNC_MMA, SMALL_SCALES)
+    if SMALL_SCALES:
+        smax = gl.maximum(smax, s)
     if SYNC_MMA:  # each lane loaded its B fragments: they move only within its registers
         b = gl.convert_layout(gl.permute(tile.to_dot_order(tile.split_order(x), BLOCK_M, BLOCK_K), [1, 0]), B_L,
                               assert_trivial=True)
-        return mma_v2(a, b, acc)
+        return mma_v2(a, b, acc), smax
     else:
         x_smem.store(tile.to_dot_order(x, BLOCK_M, BLOCK_K))
         fence_async_shared()
         gl.thread_barrier()
-        return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+        return warpgroup_mma(a, x_smem.permute((1, 0)), acc), smax
 
 
 @gluon.jit
@@ -206,10 +213,10 @@ def _x_row_step(x_all, step, BLOCK_M: gl.constexpr, NI: gl.constexpr, XL: gl.con
 
 
 @gluon.jit
-def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
+def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
             NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr, PER_PAIR: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
-            A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr):
+            A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr):
     """The K loop with the block's activations loaded into registers with its weights, one
     step ahead (``NFULL`` unmasked steps of ``NS``)."""
     X4: gl.constexpr = gl.SliceLayout(4, XL)
@@ -251,15 +258,19 @@ def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, b
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+            acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
+                                  SMALL_SCALES)
             w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
-            acc = _mma_step(acc, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+            acc, smax = _mma_step(acc, smax, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
+                                  SMALL_SCALES)
             w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
     for j in gl.static_range(2 * ITER, NS):
         if j % 2 == 0:
-            acc = _mma_step(acc, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+            acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
+                                  SMALL_SCALES)
         else:
-            acc = _mma_step(acc, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA)
+            acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
+                                  SMALL_SCALES)
         if j + 1 < NS:
             w0 = w1
             s0 = s1
@@ -267,14 +278,14 @@ def _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, b
         if j + 2 < NS:
             w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + (j + 2) * BLOCK_K, k_end,
                                     j + 2 >= NFULL)
-    return acc
+    return acc, smax
 
 
 @gluon.jit
-def _k_loop_x_row(acc, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, k_lo, k_end, NFULL: gl.constexpr,
+def _k_loop_x_row(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, k_lo, k_end, NFULL: gl.constexpr,
                   NS: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
-                  A_L: gl.constexpr, B_L: gl.constexpr):
+                  A_L: gl.constexpr, B_L: gl.constexpr, SMALL_SCALES: gl.constexpr):
     """The K loop of a per-pair block on mma.sync with its activation row in shared memory
     (:func:`_x_row_to_smem`) and the weights loaded ``STAGES`` steps ahead."""
     bufs = ()
@@ -292,18 +303,57 @@ def _k_loop_x_row(acc, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, k_lo, 
         for it in range(ITER):
             for j in gl.static_range(STAGES):
                 w, s = bufs[0]
-                acc = _mma_step(acc, w, s, _x_row_step(x_all, it * STAGES + j, BLOCK_M, NI, XL), 0, tables, BLOCK_M,
-                                BLOCK_K, WL, A_L, B_L, True)
+                acc, smax = _mma_step(acc, smax, w, s, _x_row_step(x_all, it * STAGES + j, BLOCK_M, NI, XL), 0, tables,
+                                      BLOCK_M, BLOCK_K, WL, A_L, B_L, True, SMALL_SCALES)
                 bufs = bufs[1:] + (_load_w(w_rows, s_rows, wc, sg, k_lo + (it * STAGES + j + STAGES) * BLOCK_K,
                                            k_end, False),)
     for j in gl.static_range(STAGES * ITER, NS):
         w, s = bufs[0]
-        acc = _mma_step(acc, w, s, _x_row_step(x_all, j, BLOCK_M, NI, XL), 0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L,
-                        True)
+        acc, smax = _mma_step(acc, smax, w, s, _x_row_step(x_all, j, BLOCK_M, NI, XL), 0, tables, BLOCK_M, BLOCK_K, WL,
+                              A_L, B_L, True, SMALL_SCALES)
         bufs = bufs[1:]
         if j + STAGES < NS:
             bufs = bufs + (_load_w(w_rows, s_rows, wc, sg, k_lo + (j + STAGES) * BLOCK_K, k_end,
                                    j + STAGES >= NFULL),)
+    return acc, smax
+
+
+@gluon.jit
+def _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr,
+             stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED: gl.constexpr,
+             GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
+             PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
+             B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr):
+    """The program's K loop over expert ``e64``'s weight rows from ``n0``: :func:`_k_loop_x_row`
+    where ``XROW`` (per-pair blocks), else :func:`_k_loop`."""
+    w_rows, s_rows, wc, sg, tables = tile.weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
+                                                      n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
+    if XROW:
+        row = (blk // A_ROW_DIV).to(gl.int64) * stride_am
+        return _k_loop_x_row(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready_ptr + blk, k_lo, k_end,
+                             NFULL, NS, XROW, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SMALL_SCALES)
+    else:
+        return _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo,
+                       k_end, NFULL, NS, A_ROW_DIV, PER_PAIR, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA,
+                       SMALL_SCALES)
+
+
+@gluon.jit(noinline=True)
+def _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr,
+                   stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED: gl.constexpr,
+                   GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
+                   PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
+                   B_L: gl.constexpr, MMA: gl.constexpr):
+    """:func:`_k_loops` on mma.sync by the unpack exact for every scale, from a zero accumulator. A
+    call, not inlined: inlined, the second loop kept addresses of the first alive (per-pair GEMM2
+    at T=1, K split in 4: 80 -> 117 registers, 6 -> 4 programs per SM; called, 88)."""
+    smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
+    acc, _ = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
+                      stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr,
+                      k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW, BLOCK_M,
+                      BLOCK_K, NI, WL, XL, A_L, B_L, True, False)
     return acc
 
 
@@ -382,9 +432,6 @@ def _program(
     nrows = 1 if PER_PAIR_E else gl.load(block_rows_ptr + blk)
     n0 = (pid % num_n) * BLOCK_N
     e64 = expert.to(gl.int64)
-    w_rows, s_rows, wc, sg, tables = tile.weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
-                                                      n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
-
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
     if SPLIT_K == 1:
         k_lo = 0
@@ -398,13 +445,21 @@ def _program(
         # loop runs on those, unmasked, and fully unrolling a long K range costs i-cache.
         NFULL: gl.constexpr = max(K - (SPLIT_K - 1) * K_SPLIT, 0) // BLOCK_K
         NS: gl.constexpr = K_SPLIT // BLOCK_K
-    if XROW:
-        acc = _k_loop_x_row(acc, w_rows, s_rows, wc, sg, tables, a_ptr, (blk // A_ROW_DIV).to(gl.int64) * stride_am,
-                            ready_ptr + blk, k_lo, k_end, NFULL, NS, XROW, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL,
-                            A_L, B_L)
-    else:
-        acc = _k_loop(acc, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
-                      NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA)
+    # The mma.sync loops unpack by one multiply that is exact for scales up to 128 (32-blocks whose
+    # largest weight is under 16, or 12 with round-up scales); a program that met a larger scale
+    # runs its loop again by the unpack exact for every scale: such weights cost it twice the
+    # time, never accuracy.
+    smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
+    acc, smax = _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                         a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL,
+                         NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA,
+                         SYNC_MMA)
+    if SYNC_MMA:
+        if gl.max(gl.max(gl.max(smax.to(gl.int32), 2), 1), 0) > 128:
+            acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                                 a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
+                                 NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
+                                 B_L, MMA)
     tile.epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                   stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
                   ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)

@@ -70,7 +70,7 @@ _UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
 # loop (H200, graph µs, T=1: gpt-oss-120b 32.4-32.6 -> 31.6, MiniMax-M3 54.7-54.9 -> 51.5-51.7,
 # Mixtral-8x7B 76.6-77.9 -> 73.0-73.4; Qwen3-30B-A3B 17.8-17.9 -> 18.2). In the warp-specialized
 # kernel, where the FMA pipe is busier, it was slower (gpt-oss-120b T=2048 1311 -> 1342).
-UNPACK_SPLIT = gl.constexpr("""
+_SPLIT_BITS = """
 {
 .reg .b32 h, a0, a1, a2, a3, x;
 shr.u32 h, $4, 8;
@@ -86,14 +86,23 @@ and.b32 a0, a0, 0x81C081C0;
 and.b32 a1, a1, 0x81C081C0;
 and.b32 a2, a2, 0x81C081C0;
 and.b32 a3, a3, 0x81C081C0;
-mul.rn.bf16x2 a0, a0, $20;
-mul.rn.bf16x2 a1, a1, $20;
-mul.rn.bf16x2 a2, a2, $20;
-mul.rn.bf16x2 a3, a3, $20;
-""" + _times_scale("a"))
+"""
+UNPACK_SPLIT = gl.constexpr(_SPLIT_BITS + "".join(f"mul.rn.bf16x2 a{i}, a{i}, $20;\n" for i in range(4))
+                            + _times_scale("a"))
+
+# UNPACK_SPLIT with 2^126 and the scale 2^(s-127) in one multiply by 2^(s-1): exact for s <= 128
+# (bf16 has no 2^128), the scales of weights whose 32-blocks stay under 16 in magnitude; for larger
+# scales the outputs are wrong and the caller must redo them by UNPACK_SPLIT (as
+# moe_sm90._k_loops_exact does). A quarter of the mma.sync loop's bf16x2 multiplies (H200, graph µs, min-max
+# of 2 alternating processes: gpt-oss-120b T=1 30.6-30.8 -> 28.2, T=8 149.3-149.7 -> 141.1-142.6,
+# T=64 537.3-543.0 -> 506.8-508.3; MiniMax-M3 T=8 311.3-314.3 -> 286.8-289.3; Qwen3-30B-A3B T=32
+# 119.2-120.4 -> 111.3-111.5).
+UNPACK_SPLIT_SMALL = gl.constexpr(_SPLIT_BITS + "mad.lo.u32 x, $12, 0x00800080, 0x3F003F00;\n"
+                                  + "".join(f"mul.rn.bf16x2 ${i}, a{i}, x;\n" for i in range(4)) + "}\n")
 
 
 _UNPACK_SPLIT_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
+_UNPACK_SPLIT_SMALL_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
 
 @gluon.constexpr_function
@@ -151,15 +160,19 @@ def x3(v):
 
 @gluon.jit
 def unpack_a(w, s, tables, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr, A_L: gl.constexpr,
-              SPLIT: gl.constexpr = False):
+              SPLIT: gl.constexpr = False, SMALL_SCALES: gl.constexpr = False):
     """One K step's weights (:func:`_load_w`) unpacked into the wgmma / mma.sync A fragment
     ``[ROWS, BLOCK_K]``, K in the dot's order (BLOCK_K < 128: words ``[ROWS, 1, 4, BLOCK_K / 32]``,
     a part of a step that :func:`to_dot_order` places). ``SPLIT``: by :data:`UNPACK_SPLIT`,
-    whose K order the activations take through :func:`split_order`."""
+    whose K order the activations take through :func:`split_order`; ``SMALL_SCALES`` too: by
+    :data:`UNPACK_SPLIT_SMALL`, wrong where a scale is over 128."""
     z = gl.full([ROWS, max(BLOCK_K // 128, 1), 4, min(BLOCK_K // 32, 4), 8], 0, gl.int32, layout=WL)
     sb, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(s.to(gl.int32), 3), 4), z)
     wb, _ = gl.broadcast(gl.expand_dims(w, 4), z)
-    if SPLIT:
+    if SMALL_SCALES:
+        v = gl.inline_asm_elementwise(UNPACK_SPLIT_SMALL, _UNPACK_SPLIT_SMALL_CONSTRAINTS, [wb, sb],
+                                      dtype=gl.bfloat16, is_pure=True, pack=8)
+    elif SPLIT:
         v = gl.inline_asm_elementwise(UNPACK_SPLIT, _UNPACK_SPLIT_CONSTRAINTS,
                                       [wb, sb, z + (tables - 1107263872)],  # 0x7E807E80 = 2^126
                                       dtype=gl.bfloat16, is_pure=True, pack=8)

@@ -481,6 +481,48 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     assert torch.equal(replayed, again) and torch.equal(again, grouped)
 
 
+@pytest.mark.parametrize("path", ["per pair, one launch", "per pair, graph", "8-row blocks"])
+def test_mma_sync_scales_over_128_are_exact(monkeypatch, path):
+    """The mma.sync loops unpack by one multiply that is exact only for scales up to 128
+    (``sm90_tile.UNPACK_SPLIT_SMALL``); a program whose weights have a larger scale runs its loop
+    again by the exact unpack. Expert 0's GEMM1 weights have large blocks in every row (every
+    GEMM1 program of it redoes), expert 1's GEMM2 weights in 4 rows (one program redoes): every
+    token's output matches emulation, the tokens routed there and the others."""
+    from mxfx.kernels import moe_sm90
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    for replayer in (moe._FUSED, moe._UNFUSED):
+        monkeypatch.setattr(replayer, "_plans", {})
+    E, H, I, k = 8, 512, 384, 4
+    T = 8 if path == "8-row blocks" else 1
+    if path == "8-row blocks":
+        monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)
+    g = _gen(3)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5
+    w2 = torch.randn(E, H, I, generator=g, device="cuda") / I**0.5
+    w13[0, :, 64:128] *= 2.0**14
+    w2[1, 68:72, :] *= 2.0**14
+    p13, s13 = formats.quantize(w13, "mxfp4", "round_up")
+    p2, s2 = formats.quantize(w2, "mxfp4", "round_up")
+    assert s13[0].max() > 128 and s2[1].max() > 128 and s13[1:].max() <= 128 and s2[0].max() <= 128
+    W = MoEWeights(*(_poisoned(t) for t in (p13, s13, torch.zeros(E, 2 * I, dtype=torch.bfloat16, device="cuda"),
+                                            p2, s2, torch.zeros(E, H, dtype=torch.bfloat16, device="cuda"))))
+    x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=5)
+    ids[0] = torch.tensor([0, 1, 2, 3], dtype=ids.dtype)
+    gemms, in_one = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_sm90.PER_PAIR_SM90)
+    if path == "per pair, graph":
+        monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)  # as under capture: two launches
+    out = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    launched = [(m["SYNC_MMA"], m["PER_PAIR_E"]) for m in gemms]
+    assert launched == {"per pair, one launch": [], "per pair, graph": [(True, E)] * 2,
+                        "8-row blocks": [(True, 0)] * 2}[path] and len(in_one) == (path == "per pair, one launch")
+    assert not out.isnan().any() and out[0].abs().max() > 1e3
+    errors = [_rel_err(out[t], ref[t]) for t in range(T) if ref[t].any()]
+    assert max(errors) <= 5e-3, errors
+
+
 @pytest.mark.parametrize("ids", [[[0, 1], [2, 4]], [[0, 4]]])
 def test_expert_id_beyond_E_is_a_device_side_assert(ids):
     """No host synchronisation to check the ids: the routing kernel asserts on the device (for
