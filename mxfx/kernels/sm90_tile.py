@@ -93,10 +93,11 @@ UNPACK_SPLIT = gl.constexpr(_SPLIT_BITS + "".join(f"mul.rn.bf16x2 a{i}, a{i}, $2
 # UNPACK_SPLIT with 2^126 and the scale 2^(s-127) in one multiply by 2^(s-1): exact for s <= 128
 # (bf16 has no 2^128), the scales of weights whose 32-blocks stay under 16 in magnitude; for larger
 # scales the outputs are wrong and the caller must redo them by UNPACK_SPLIT (as
-# moe_sm90._k_loops_exact does). A quarter of the mma.sync loop's bf16x2 multiplies (H200, graph µs, min-max
-# of 2 alternating processes: gpt-oss-120b T=1 30.6-30.8 -> 28.2, T=8 149.3-149.7 -> 141.1-142.6,
-# T=64 537.3-543.0 -> 506.8-508.3; MiniMax-M3 T=8 311.3-314.3 -> 286.8-289.3; Qwen3-30B-A3B T=32
-# 119.2-120.4 -> 111.3-111.5).
+# moe_sm90._k_loops_exact does). Half the mma.sync loop's bf16x2 multiplies (SASS per two K steps
+# of 8-row blocks 474 -> 408 instructions); H200, graph µs, min-max of 2 alternating
+# processes, with the check and the redo: gpt-oss-120b T=8 151.3-151.6 -> 142.5-143.1, T=64
+# 539.4-540.5 -> 512.8-518.7; MiniMax-M3 T=8 313.3-313.4 -> 292.6-300.0; Mixtral-8x7B T=8
+# 244.8-247.7 -> 232.8-233.3; Qwen3-30B-A3B T=32 118.9-120.1 -> 113.8.
 UNPACK_SPLIT_SMALL = gl.constexpr(_SPLIT_BITS + "mad.lo.u32 x, $12, 0x00800080, 0x3F003F00;\n"
                                   + "".join(f"mul.rn.bf16x2 ${i}, a{i}, x;\n" for i in range(4)) + "}\n")
 
