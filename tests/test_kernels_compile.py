@@ -98,6 +98,10 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     assert rows and not bad, "\n".join(bad) or r.stderr[-2000:]
     assert r.returncode == 0, r.stderr[-2000:]
     assert {"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel"} <= {row["kernel"].split()[0] for row in rows}
+    # moe_sm90 spills nothing, its per-pair GEMM2 capped at 80 registers included (moe._gemm).
+    sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
+    assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
+    assert any("'PER_PAIR_E': 4" in row["kernel"] and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
     # The warp-specialized kernel's copies and loads carry the L2 prefetch hint (ptx_hints), no
     # other kernel's.
     for key in ("cp_async", "ld_global"):

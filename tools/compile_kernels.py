@@ -11,7 +11,8 @@ SASS instruction count of each kernel's longest loop and its most frequent opcod
 first look at a variant's arithmetic cost before timing it on a GPU (with a model's sizes,
 so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from Triton's cache,
 so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
-registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``). A CUDA
+registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``), one that
+spills registers to local memory ``SPILLS`` (``spill_bytes``). A CUDA
 kernel's cp.async copies and plain global loads are counted, with those carrying ``.L2::128B``
 (``cp_async``, ``ld_global`` in ``--json``; see :mod:`mxfx.kernels.ptx_hints`). A Hopper
 kernel whose binary :mod:`mxfx.kernels.wgmma_guard` refuses (an HGMMA reading descriptor
@@ -155,6 +156,12 @@ def serialized_wgmma(ptxas_log: list) -> list:
     return [line.strip() for line in ptxas_log if "wgmma" in line and "Performance Loss" in line]
 
 
+def spill_bytes(ptxas_log: list) -> int:
+    """Bytes a kernel spills to local memory (stores), from ptxas's log: a register cap
+    (``maxnreg``) that is too low for a loop shows here before any GPU run."""
+    return sum(int(n) for line in ptxas_log for n in re.findall(r"(\d+) bytes spill stores", line))
+
+
 def loop_sass(cubin: bytes, top: int = 8) -> dict:
     """Instruction count and most frequent opcodes of the longest loop (the span between a
     backward branch and its target) in a CUDA binary, disassembled by Triton's nvdisasm."""
@@ -201,6 +208,9 @@ def main(argv=None) -> int:
                 serialized = serialized_wgmma(log)
                 if serialized:
                     row["serialized_wgmma"] = serialized
+                spilled = spill_bytes(log)
+                if spilled:
+                    row["spill_bytes"] = spilled
                 if target.backend == "cuda":
                     ptx = compiled.asm["ptx"]
                     for key, pattern in (("cp_async", ptx_hints.COPY), ("ld_global", ptx_hints.LOAD)):
@@ -215,6 +225,8 @@ def main(argv=None) -> int:
             status = f"FAIL {row['error']}" if "error" in row else f"ok   smem {row['shared']}"
             if "serialized_wgmma" in row:
                 status += " WGMMA SERIALIZED"
+            if "spill_bytes" in row:
+                status += f" SPILLS {row['spill_bytes']} B"
             if "loop_instructions" in row:
                 status += f" loop {row['loop_instructions']} {dict(row['top'])}"
             print(json.dumps(row) if a.json else f"{text:11s} {status:50s} {row['kernel']}", flush=True)

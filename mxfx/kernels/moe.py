@@ -164,10 +164,11 @@ def _gemm(
         per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0)
         if routing.per_pair_experts:
             per_pair.update(debug=True, sanitize_overflow=False, XROW=cfg.x_row_stages)
-            if split_k > 1:
+            if split_k > 1 and cfg.x_row_stages == 4:
                 # ptxas gives GEMM2 88 registers (the exact unpack's loop beside the fast one) where
                 # 80 hold it without spills: 6 programs per SM, not 5, so T=1's 720 programs fit
-                # one wave (H200, gpt-oss-120b T=1 graph µs 30.9 -> 29.3).
+                # one wave (H200, gpt-oss-120b T=1 graph µs 30.9 -> 29.3). With 3 steps ahead it
+                # takes 96 and would spill at 80 (Mixtral-8x7B T=1: K = 14336).
                 per_pair.update(maxnreg=80)
         count = (w, 0, w, 0)  # unused placeholders unless counting
         if counters is not None:
