@@ -3,6 +3,7 @@ targets mxfx supports, CUDA and ROCm, on a machine without either (the interpret
 the other kernel tests never runs Triton's compiler, and ROCm cannot be run here at all)."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -102,6 +103,18 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
     assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
     assert any("'PER_PAIR_E': 4" in row["kernel"] and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
+    # Per-pair GEMMs by PDL (moe._pdl_gemm2): GEMM1 lets GEMM2 start, GEMM2's K loop (and its
+    # redo, _k_loops_exact) waits for GEMM1 only after the first steps' weight loads (a word and
+    # a scale load at least per step), and no other kernel has PDL instructions.
+    assert all(("launches_dependents" in row) == ("'PDL': True" in row["kernel"]) for row in rows)
+    pdl = [(ast.literal_eval(row["kernel"][row["kernel"].index("{"):]), row) for row in sm90
+           if "'PDL': True" in row["kernel"]]
+    assert {(m["COUNTERS"], m["launch_pdl"]) for m, _ in pdl} == {(1, False), (2, True)}
+    for meta, row in pdl:
+        assert row["launches_dependents"] == (meta["COUNTERS"] == 1)
+        steps = -(-(-(-meta["K"] // 128)) // meta["SPLIT_K"])
+        waits = sorted(row["loads_before_waits"])
+        assert (len(waits) >= 2 and waits[-2] >= 2 * min(meta["XROW"], steps)) if meta["launch_pdl"] else not waits
     # The warp-specialized kernel's copies and loads carry the L2 prefetch hint (ptx_hints), no
     # other kernel's.
     for key in ("cp_async", "ld_global"):

@@ -12,7 +12,8 @@ first look at a variant's arithmetic cost before timing it on a GPU (with a mode
 so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from Triton's cache,
 so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
 registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``), one that
-spills registers to local memory ``SPILLS`` (``spill_bytes``). A CUDA
+spills registers to local memory ``SPILLS`` (``spill_bytes``). Kernels with PDL instructions
+report them (``launches_dependents``, ``loads_before_waits``: :func:`grid_control`). A CUDA
 kernel's cp.async copies and plain global loads are counted, with those carrying ``.L2::128B``
 (``cp_async``, ``ld_global`` in ``--json``; see :mod:`mxfx.kernels.ptx_hints`). A Hopper
 kernel whose binary :mod:`mxfx.kernels.wgmma_guard` refuses (an HGMMA reading descriptor
@@ -162,23 +163,45 @@ def spill_bytes(ptxas_log: list) -> int:
     return sum(int(n) for line in ptxas_log for n in re.findall(r"(\d+) bytes spill stores", line))
 
 
-def loop_sass(cubin: bytes, top: int = 8) -> dict:
-    """Instruction count and most frequent opcodes of the longest loop (the span between a
-    backward branch and its target) in a CUDA binary, disassembled by Triton's nvdisasm."""
+def _sass(cubin: bytes) -> list:
+    """The lines of a CUDA binary's SASS, disassembled by Triton's nvdisasm."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
                               check=True).stdout.splitlines()
+
+
+def _opcodes(sass: list) -> list:
+    """The opcode (with its modifiers, without its predicate) of each instruction line."""
+    return [re.sub(r"^@!?U?P[T0-9]\s+", "", re.sub(r"^.*?\*/\s*", "", line).strip()).split()[0]
+            for line in sass if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+
+
+def grid_control(cubin: bytes) -> dict:
+    """Where a CUDA kernel's PDL instructions sit in its SASS: whether it lets the grid launched
+    after it start (``griddepcontrol.launch_dependents``: PREEXIT), and for each wait for the
+    grid launched before it (``griddepcontrol.wait``: ACQBULK) how many global loads come
+    between it and the wait before it (or the start), in instruction order."""
+    ops = _opcodes(_sass(cubin))
+    waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    return {"launches_dependents": "PREEXIT" in ops,
+            "loads_before_waits": [sum(1 for op in ops[start + 1:end] if op.startswith("LDG"))
+                                   for start, end in zip([-1] + waits, waits)]}
+
+
+def loop_sass(cubin: bytes, top: int = 8) -> dict:
+    """Instruction count and most frequent opcodes of the longest loop (the span between a
+    backward branch and its target) in a CUDA binary."""
+    text = _sass(cubin)
     labels = {line[:-1]: i for i, line in enumerate(text) if re.match(r"^\.L_x_\d+:$", line)}
     best: list[str] = []
     for i, line in enumerate(text):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > len(best):
             best = text[labels[m.group(1)]:i + 1]
-    ops = [re.sub(r"^@!?U?P[T0-9]\s+", "", re.sub(r"^.*?\*/\s*", "", line).strip()).split()[0].split(".")[0]
-           for line in best if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    ops = [op.split(".")[0] for op in _opcodes(best)]
     return {"loop_instructions": len(ops), "top": collections.Counter(ops).most_common(top)}
 
 
@@ -217,6 +240,8 @@ def main(argv=None) -> int:
                         found = pattern.findall(ptx)
                         if found:
                             row[key] = {"L2::128B": sum(1 for m in found if m[1]), "all": len(found)}
+                if target.backend == "cuda" and "griddepcontrol" in compiled.asm["ptx"]:
+                    row.update(grid_control(compiled.asm["cubin"]))
                 if a.sass and target.backend == "cuda":
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so

@@ -22,6 +22,7 @@ replay off). ``python tools/profile_moe_eager.py`` measures what this saves.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import threading
@@ -46,6 +47,13 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The least power of two >= ``n`` for ``n >= 1`` (0 for 0), as ``triton.next_power_of_2``."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The SMs of a CUDA device, for grids sized by them (elsewhere, where launches are only
+    recorded or compiled, one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def key_and_call(device: int, args: tuple, meta: dict) -> tuple[tuple, list]:

@@ -6,7 +6,7 @@ quantization at large T :mod:`mxfx.kernels.moe_sm90_ws`.
 
 The k slots are summed by ``moe_portable._sum_slots`` or, on per-pair blocks (few pairs,
 Hopper; see :func:`_route`), by the last GEMM2 program of each token and column tile, in the
-same order.
+same order; there GEMM2 may start while GEMM1 runs (PDL, :func:`_pdl_gemm2`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from mxfx.activation import GatedActivation
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_portable, moe_sm90, moe_sm90_ws, mx
-from mxfx.kernels.launch import cdiv, next_power_of_2
+from mxfx.kernels.launch import cdiv, next_power_of_2, num_sms
 from mxfx.kernels.replay import Replayer
 from mxfx.kernels.routing import Routing, align, per_pair
 
@@ -178,6 +178,11 @@ def _gemm(
             cnt, summed, topk = k_sum
             count = (cnt, cnt.numel(), summed, summed.stride(0))
             per_pair.update(COUNTERS=2, TOPK=topk)
+        if per_pair["XROW"] and per_pair["COUNTERS"]:
+            # GEMM1 lets GEMM2 start at once, where GEMM2 is launched by PDL (_pdl_gemm2).
+            pdl = k_sum is None or _pdl_gemm2(num_blocks * cdiv(n_out, block_n) * split_k,
+                                              cdiv(cdiv(k_in, moe_sm90.BLOCK_K), split_k), a.device)
+            per_pair.update(PDL=pdl, launch_pdl=pdl and k_sum is not None)
         moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
             *args, *count, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
             SYNC_MMA=cfg.sync_mma, AQ=mx.FMT_CODES[aq.fmt], AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
@@ -204,6 +209,23 @@ def _gemm(
         # faster). The tl.dot_scaled loop leaves its loads to the pipeliner.
         num_stages=1 if a_mx is None else 3,
     )
+
+
+def _pdl_gemm2(programs: int, steps: int, device: torch.device) -> bool:
+    """Whether a per-pair GEMM2 of ``programs`` programs of ``steps`` K steps each is launched by
+    PDL (programmatic dependent launch): its programs then start while GEMM1 runs, issue their
+    first weight loads and wait for GEMM1 (``moe_sm90._PREVIOUS_GRID``). Taken where the
+    programs are short (at most 8 steps) or more than 4 per SM: the programs that start early
+    take the SMs GEMM1 leaves room on, and a few long programs per SM then end unevenly. H200,
+    graph µs, min-max of 2 alternating processes (two sessions' runs), two launches / PDL for
+    every GEMM2: gpt-oss-120b T=1 (720 programs of 6 steps) 29.0-29.4 / 27.2-28.1, T=2 (360 of
+    23) 46.5-47.1 / 47.9-48.5, T=3 (540 of 23) 62.8-63.6 / 60.2-61.1, T=4 (720 of 23) 78.5-79.0 /
+    75.9-77.0, T=6 (1080 of 23) 106.5 / 104.8-105.0; gpt-oss-20b T=1 (720 of 6) 29.1-29.6 /
+    27.1-27.5, T=2 (360 of 23) 46.4-46.9 / 47.5-48.0; Qwen3-30B-A3B T=1 (256 of 6) 16.8-17.2 /
+    15.2-15.4, T=2 (512 of 6) 22.0-22.1 / 21.2-21.3, T=4 (1024 of 6) 37.1-37.2 / 34.2-34.4;
+    MiniMax-M3 T=1 (384 of 24) 47.3-47.5 / 51.2-52.0, T=2 (768 of 24) 82.0-82.2 / 79.8-80.8;
+    Mixtral-8x7B T=1 (512 of 28, 3.9 per SM) 68.3-69.0 / 70.0-70.7."""
+    return steps <= 8 or programs > 4 * num_sms(device)
 
 
 def hopper_fits(x: torch.Tensor, weights: MoEWeights) -> bool:

@@ -26,6 +26,10 @@ fragments each step, so the registers hold the weights of 3 or 4 steps ahead
 program that met a larger scale runs its loop again by the unpack exact for every scale
 (:func:`_k_loops_exact`).
 
+Launched by PDL (programmatic dependent launch, ``PDL``), a per-pair GEMM2's programs start
+while GEMM1 runs and wait for it by ``griddepcontrol.wait`` once their first weight loads
+are issued.
+
 :func:`_moe_per_pair_sm90` runs a per-pair call's two GEMMs (and its k-sum) as one launch, the
 second GEMM's programs waiting on counters for the first's: one launch's host time in an eager
 call instead of two.
@@ -71,6 +75,20 @@ DONE:
 ld.acquire.gpu.global.b32 $0, [$1];
 }
 """)
+
+
+# The WAIT of a program launched by PDL (programmatic dependent launch) after the grid whose
+# output it reads: it waits for that grid by griddepcontrol.wait, not on a counter.
+_PREVIOUS_GRID = gl.constexpr(-1)
+
+
+@gluon.jit
+def _grid_control(op: gl.constexpr):
+    """``griddepcontrol.wait`` (until the grid launched before this one has finished and its
+    writes are visible) or ``griddepcontrol.launch_dependents`` (the grid launched after this
+    one by PDL may start); either is a no-op without PDL."""
+    gl.inline_asm_elementwise("griddepcontrol." + op.value + "; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.constexpr_function
@@ -293,7 +311,9 @@ def _k_loop_x_row(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, 
         if j < NS:
             bufs = bufs + (_load_w(w_rows, s_rows, wc, sg, k_lo + j * BLOCK_K, k_end, j >= NFULL),)
     x_end = k_end
-    if WAIT:  # (the acquire's value must be used, or ptxas drops the acquire)
+    if WAIT == _PREVIOUS_GRID:
+        _grid_control("wait")
+    elif WAIT:  # (the acquire's value must be used, or ptxas drops the acquire)
         ok = gl.inline_asm_elementwise(_WAIT, "=r,l,r", [ready.to(gl.int64, bitcast=True), WAIT],
                                        dtype=gl.int32, is_pure=False, pack=1) >= WAIT
         x_end = gl.where(ok, k_end, k_lo)
@@ -392,7 +412,8 @@ def _program(
 ):
     """Program ``pid`` of the GEMM (the kernels' arguments are documented at
     :func:`_moe_gemm_sm90`). ``WAIT``: before reading its activations, wait until
-    ``ready_ptr[block]`` has reached this count (its weights' first loads issued meanwhile).
+    ``ready_ptr[block]`` has reached this count, or with ``_PREVIOUS_GRID`` until the grid
+    launched before this one has finished (its weights' first loads issued meanwhile).
     ``XROW``: on per-pair blocks, the K loop of :func:`_k_loop_x_row` with the weights this
     many steps ahead; 0: :func:`_k_loop`'s."""
     gl.static_assert(K % 32 == 0)
@@ -426,6 +447,8 @@ def _program(
         gl.device_assert(expert < PER_PAIR_E, "topk_ids: expert id >= E")
     if expert < 0:
         if COUNTERS == 2:
+            if WAIT == _PREVIOUS_GRID:  # GEMM1 zeroes the counters
+                _grid_control("wait")
             _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
                            pid % num_n, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)
         return
@@ -497,13 +520,22 @@ def _moe_gemm_sm90(
     AQ: gl.constexpr = 0,
     AQ_ROUNDING: gl.constexpr = 0,
     XROW: gl.constexpr = 0,
+    PDL: gl.constexpr = False,
 ):
+    """One grouped GEMM launch (``moe._gemm``). ``PDL``, on per-pair blocks with the activation
+    row in shared memory: GEMM1 (``COUNTERS`` 1) lets GEMM2, launched after it by PDL, start at
+    once, and GEMM2 (``COUNTERS`` 2) issues its first weight loads while GEMM1 runs, then waits
+    for it."""
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
+    gl.static_assert(not PDL or (XROW != 0 and COUNTERS != 0), "PDL: per-pair GEMMs, row in shared memory")
+    if PDL and COUNTERS == 1:
+        _grid_control("launch_dependents")
     _program(gl.program_id(0), a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
              bias_ptr, stride_be, stride_bn, rw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, cnt_ptr, num_cnt, sum_ptr, stride_sum,
              cnt_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, BLOCK_K,
-             SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING, 0, XROW)
+             SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING,
+             _PREVIOUS_GRID if PDL and COUNTERS == 2 else 0, XROW)
 
 
 @gluon.jit

@@ -51,8 +51,6 @@ intermediate in natural order.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -64,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import mx, ptx_hints, wgmma_guard
-from mxfx.kernels.launch import Launcher, cdiv
+from mxfx.kernels.launch import Launcher, cdiv, num_sms
 from mxfx.kernels.sm90_tile import epilogue, log2, tables_word, tile_row, unpack_a, w_layout, weight_rows
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
@@ -521,14 +519,7 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
     num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * CONSUMERS)
-    GEMM_SM90_WS[(min(num_tiles, _num_sms(args[0].device)),)](
+    GEMM_SM90_WS[(min(num_tiles, num_sms(args[0].device)),)](
         *args, num_tiles, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
         DOT_ORDER_OUT=dot_order_out, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS,
         L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    """The persistent grid: one program per SM (elsewhere, where launches are only recorded
-    or compiled, one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

@@ -417,8 +417,9 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     equals, to the bit, the grouped path's (routing kernel and ``_sum_slots``, the activations
     in registers rather than the per-pair blocks' row in shared memory), with unrouted
     slots (T=3: one of token 1's, all of token 2's; or the single token's all) and an expert
-    repeated across tokens; the graph replays on new ids, again and again; the one launch's
-    counters are left at zero."""
+    repeated across tokens; the graph replays on new ids, again and again (GEMM2, launched by
+    PDL, starts while GEMM1 runs: a read of the intermediate before its wait would show here);
+    the one launch's counters are left at zero."""
     from mxfx.kernels import moe_sm90, routing
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -457,8 +458,10 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
         assert torch.equal(out, fn(x, tw, ids, W, GPT_OSS, ActivationQuant()))
         monkeypatch.setattr(moe, "_sync_buffer", sync_buffer)
         monkeypatch.setattr(moe._FUSED, "_plans", {})
-    # The activation row in shared memory, the weights 4 steps ahead (T * k * I/32 <= 512).
-    assert [(m["PER_PAIR_E"], m["COUNTERS"], m["XROW"]) for m in gemms] == [(E, 1, 4), (E, 2, 4)] and not sums
+    # The activation row in shared memory, the weights 4 steps ahead (T * k * I/32 <= 512);
+    # GEMM2 launched by PDL, GEMM1 letting it start.
+    assert ([(m["PER_PAIR_E"], m["COUNTERS"], m["XROW"], m["PDL"], m["launch_pdl"]) for m in gemms]
+            == [(E, 1, 4, True, False), (E, 2, 4, True, True)] and not sums)
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert not out.isnan().any() and _rel_err(out, ref) <= 5e-3
     if case == "none routed":
