@@ -84,6 +84,8 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     launches: dict[tuple, tuple] = {}
 
     def record(self, grid, args, meta):
+        if self._fast:  # a direct launch passes every constexpr, defaults included
+            self.constexpr_values(meta)
         key = (self._kernel.__name__, launch.key_and_call(0, args, meta)[0])
         launches.setdefault(key, (self._kernel, args, meta))
 
