@@ -217,7 +217,7 @@ def _pdl_gemm2(programs: int, steps: int, device: torch.device) -> bool:
     first weight loads and wait for GEMM1 (``moe_sm90._PREVIOUS_GRID``). Taken where the
     programs are short (at most 8 steps) or more than 4 per SM: the programs that start early
     take the SMs GEMM1 leaves room on, and a few long programs per SM then end unevenly. H200,
-    graph µs, min-max of 2 alternating processes (two sessions' runs), two launches / PDL for
+    graph µs, min-max of 2 alternating processes (two runs), two launches / PDL for
     every GEMM2: gpt-oss-120b T=1 (720 programs of 6 steps) 29.0-29.4 / 27.2-28.1, T=2 (360 of
     23) 46.5-47.1 / 47.9-48.5, T=3 (540 of 23) 62.8-63.6 / 60.2-61.1, T=4 (720 of 23) 78.5-79.0 /
     75.9-77.0, T=6 (1080 of 23) 106.5 / 104.8-105.0; gpt-oss-20b T=1 (720 of 6) 29.1-29.6 /
