@@ -178,12 +178,12 @@ def _gemm(
             cnt, summed, topk = k_sum
             count = (cnt, cnt.numel(), summed, summed.stride(0))
             per_pair.update(COUNTERS=2, TOPK=topk)
+        programs = num_blocks * cdiv(n_out, block_n) * split_k
         if per_pair["XROW"] and per_pair["COUNTERS"]:
             # GEMM1 lets GEMM2 start at once, where GEMM2 is launched by PDL (_pdl_gemm2).
-            pdl = k_sum is None or _pdl_gemm2(num_blocks * cdiv(n_out, block_n) * split_k,
-                                              cdiv(cdiv(k_in, moe_sm90.BLOCK_K), split_k), a.device)
+            pdl = k_sum is None or _pdl_gemm2(programs, cdiv(cdiv(k_in, moe_sm90.BLOCK_K), split_k), a.device)
             per_pair.update(PDL=pdl, launch_pdl=pdl and k_sum is not None)
-        moe_sm90.GEMM_SM90[(num_blocks * cdiv(n_out, block_n) * split_k,)](
+        moe_sm90.GEMM_SM90[(programs,)](
             *args, *count, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
             SYNC_MMA=cfg.sync_mma, AQ=mx.FMT_CODES[aq.fmt], AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
             num_warps=4, num_stages=1)
