@@ -104,18 +104,29 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
     assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
     assert any("'PER_PAIR_E': 4" in row["kernel"] and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
-    # Per-pair GEMMs by PDL (moe._pdl_gemm2): GEMM1 lets GEMM2 start, GEMM2's K loop (and its
-    # redo, _k_loops_exact) waits for GEMM1 only after the first steps' weight loads (a word and
-    # a scale load at least per step), and no other kernel has PDL instructions.
-    assert all(("launches_dependents" in row) == ("'PDL': True" in row["kernel"]) for row in rows)
-    pdl = [(ast.literal_eval(row["kernel"][row["kernel"].index("{"):]), row) for row in sm90
-           if "'PDL': True" in row["kernel"]]
-    assert {(m["COUNTERS"], m["launch_pdl"]) for m, _ in pdl} == {(1, False), (2, True)}
-    for meta, row in pdl:
-        assert row["launches_dependents"] == (meta["COUNTERS"] == 1)
-        steps = math.ceil(math.ceil(meta["K"] / 128) / meta["SPLIT_K"])  # K steps per program
-        waits = sorted(row["loads_before_waits"])
-        assert (len(waits) >= 2 and waits[-2] >= 2 * min(meta["XROW"], steps)) if meta["launch_pdl"] else not waits
+    # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2); on grouped 8-row blocks the routing
+    # kernels, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by PDL waits before
+    # it reads what the launch before it wrote: GEMM1, the placement and the k-sum at once, GEMM2's
+    # K loop (and its redo, _k_loops_exact) only after its first steps' weight loads (a word and
+    # a scale load at least per step). No other kernel has PDL instructions.
+    launches = [(row["kernel"].split()[0], ast.literal_eval(row["kernel"][row["kernel"].index("{"):]), row)
+                for row in rows]
+    assert all(("launches_dependents" in row) == bool(m.get("PDL")) for _, m, row in launches)
+    pdl = [(name, m, row) for name, m, row in launches if m.get("PDL")]
+    assert {(name, m["PDL"], m.get("COUNTERS"), m.get("launch_pdl", False)) for name, m, _ in pdl} == {
+        ("_moe_gemm_sm90", 1, 1, False), ("_moe_gemm_sm90", 4, 2, True),  # per pair
+        ("_count_kernel", True, None, False), ("_place_kernel", True, None, True),  # the chain
+        ("_moe_gemm_sm90", 3, 0, True), ("_moe_gemm_sm90", 5, 0, True), ("_sum_slots", True, None, True)}
+    for name, meta, row in pdl:
+        gemm = name == "_moe_gemm_sm90"
+        assert row["launches_dependents"] == (bool(meta["PDL"] & 1) if gemm else name != "_sum_slots")
+        waits = row["loads_before_waits"]
+        if gemm and meta["PDL"] & 4:
+            steps = math.ceil(math.ceil(meta["K"] / 128) / meta["SPLIT_K"])  # K steps per program
+            waits = sorted(waits)
+            assert len(waits) >= 2 and waits[-2] >= 2 * min(meta["XROW"] or 2, steps), (meta, waits)
+        else:
+            assert waits == ([0] if meta.get("launch_pdl") else []), (name, meta, waits)
     # The warp-specialized kernel's copies and loads carry the L2 prefetch hint (ptx_hints), no
     # other kernel's.
     for key in ("cp_async", "ld_global"):

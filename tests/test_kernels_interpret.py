@@ -421,12 +421,12 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
 
     assert kernels(3) == ["_moe_gemm_sm90"] * 2
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(True, 8)] * 2  # mma.sync
-    # Above 4 rows per expert: the warp-specialized kernel, or where the weight rows are not 16
+    # Above 6 rows per expert: the warp-specialized kernel, or where the weight rows are not 16
     # bytes apart (but 4: words), wgmma on 32-row blocks.
-    assert kernels(12) == ["_moe_gemm_sm90_ws"] * 2
+    assert kernels(14) == ["_moe_gemm_sm90_ws"] * 2
     assert gemm_meta("BLOCK_M") == [(64,)] * 2
     shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
-    assert kernels(12, w13=shifted) == ["_moe_gemm_sm90"] * 2
+    assert kernels(14, w13=shifted) == ["_moe_gemm_sm90"] * 2
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(False, 32)] * 2
     assert kernels(200) == ["_moe_gemm_sm90_ws"] * 2  # large T: warp-specialized, on dot-ordered x
     names = [name for name, _ in launched]

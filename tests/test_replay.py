@@ -245,14 +245,14 @@ def _model_weights(E: int, H: int, I: int) -> MoEWeights:
 def test_few_repeats_go_per_pair(monkeypatch, T, E, k, H, I, per_pair):
     """Per-pair blocks where the GEMMs run mma.sync and there is one token or the experts that
     uniformly routed pairs are expected to repeat cost at most ``PER_PAIR_REPEAT_BYTES``;
-    grouped blocks elsewhere."""
-    monkeypatch.setattr(moe, "align", lambda ids, E, block_m: "grouped")
+    grouped blocks elsewhere, as the head of a chain of launches by PDL where they run mma.sync."""
+    monkeypatch.setattr(moe, "align", lambda ids, E, block_m, pdl: ("grouped", pdl))
     ids = torch.zeros(T, k, dtype=torch.int32)
     w = _model_weights(E, H, I)
     for sync in (True, False):
         cfg = moe.GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, sm90=True, sync_mma=sync)
         routing = moe._route(ids, w, cfg)
-        assert routing == "grouped" if not (per_pair and sync) else routing.per_pair_experts == E
+        assert routing == ("grouped", sync) if not (per_pair and sync) else routing.per_pair_experts == E
 
 
 @pytest.mark.parametrize("P,E", [(24, 128), (64, 128), (16, 32), (4, 8)])

@@ -91,18 +91,19 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
 
     ptx = target.backend == "cuda" and target.arch >= 90
     native = target.arch >= 100 if target.backend == "cuda" else target.arch == "gfx950"
-    saved = launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma
+    saved = (launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma,
+             moe.PER_PAIR_REPEAT_BYTES)
     launch.Launcher._launch = record
     mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
     moe_sm90.runs_on = lambda device: target.backend == "cuda" and target.arch == 90
     mx.native_scaled_mma = lambda device: native
     try:
         E, k = 4, 2
-        # T = 1, 12, 80, 200 at E=4, k=2: the four tile regimes of pick_config on Hopper.
+        # T = 1, 14, 80, 200 at E=4, k=2: the four tile regimes of pick_config on Hopper.
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for quantized in (True, False):
                 w = _weights(E, H, I, dtype, quantized)
-                for T in (1, 12, 80, 200) if dtype == torch.bfloat16 else (1,):
+                for T in (1, 14, 80, 200) if dtype == torch.bfloat16 else (1,):
                     x = torch.zeros(T, H, dtype=dtype)
                     ids = torch.arange(T * k, dtype=torch.int32).reshape(T, k) % E
                     tw = torch.ones(T, k, dtype=dtype)
@@ -115,11 +116,19 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
                         for fmt in ("mxfp8", "mxfp4"):
                             moe.fused_moe(x, tw, ids, w, GPT_OSS, ActivationQuant(fmt, "even"))
             mx.dequantize_mxfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), dtype)
+        # Grouped 8-row blocks on Hopper (per-pair blocks off; 2.5 rows per expert), the routing
+        # in two kernels (80 pairs): a chain of launches by PDL.
+        moe.PER_PAIR_REPEAT_BYTES = 0
+        T, E32 = 40, 32
+        moe.fused_moe(torch.zeros(T, H, dtype=torch.bfloat16), torch.ones(T, k, dtype=torch.bfloat16),
+                      torch.arange(T * k, dtype=torch.int32).reshape(T, k) % E32,
+                      _weights(E32, H, I, torch.bfloat16, True), GPT_OSS, ActivationQuant())
         # Routing: one chunk smaller than, one as large as the default, several chunks.
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
     finally:
-        launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma = saved
+        (launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma,
+         moe.PER_PAIR_REPEAT_BYTES) = saved
     return list(launches.values())
 
 

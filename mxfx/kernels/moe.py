@@ -6,7 +6,9 @@ quantization at large T :mod:`mxfx.kernels.moe_sm90_ws`.
 
 The k slots are summed by ``moe_portable._sum_slots`` or, on per-pair blocks (few pairs,
 Hopper; see :func:`_route`), by the last GEMM2 program of each token and column tile, in the
-same order; there GEMM2 may start while GEMM1 runs (PDL, :func:`_pdl_gemm2`).
+same order; there GEMM2 may start while GEMM1 runs (PDL, :func:`_pdl_gemm2`). On grouped
+mma.sync blocks the routing kernels, both GEMMs and the k-sum are a chain of launches by PDL
+(:func:`_pdl_chain`).
 """
 from __future__ import annotations
 
@@ -39,10 +41,17 @@ class GemmConfig(NamedTuple):
 
 # Mean rows per expert up to which moe_sm90 runs mma.sync on 8-row blocks, past which the
 # warp-specialized kernel is taken, and up to which its blocks are 64 rows (see pick_config;
-# 56 rows: about 1 expert in 7 needs a second block). Tuned on gpt-oss-120b; on gpt-oss-20b,
-# Qwen3-30B-A3B and Mixtral-8x7B the pick was also the fastest of the three kernels at 8 to 64
-# rows, or within 0.6 % (tools/PERF_LOG.md, sessions 11 and 13).
-SYNC_MAX_ROWS = 4
+# 56 rows: about 1 expert in 7 needs a second block). WS_SMALL_ROWS was tuned on gpt-oss-120b;
+# on gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B the pick was also the fastest of the three
+# kernels at 8 to 64 rows, or within 0.6 % (tools/PERF_LOG.md, sessions 11 and 13).
+# SYNC_MAX_ROWS: H200, graph µs, min-max of 2 rounds, warp-specialized / mma.sync, at 5 / 6 / 7
+# / 8 rows per expert: gpt-oss-120b T=160 740-742 / 665-667, T=192 749-751 / 724-726, T=224
+# 757-759 / 777-799, T=256 761-778 / 879-953; MiniMax-M3 (same T) 1567-1595 / 1404-1439,
+# 1583-1597 / 1528-1533, 1605-1701 / 1713-1827, 1623-1681 / 1863-1901; Qwen3-30B-A3B T=80 170-172
+# / 138, T=96 171-172 / 151, T=112 172-173 / 166, T=128 174 / 179; Mixtral-8x7B T=20 375-377 /
+# 285-292, T=24 374-376 / 316, T=28 374-375 / 369-378, T=32 375-376 / 408-425; gpt-oss-20b T=40
+# 221 / 173-179, T=48 220 / 191-196, T=56 220-221 / 207-211, T=64 221-223 / 226-228.
+SYNC_MAX_ROWS = 6
 WS_SMALL_ROWS = 56
 
 
@@ -51,16 +60,16 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     """Tile shapes from the mean rows per expert, measured on the H200 (tools/PERF_LOG.md):
     while the weights dominate (few rows), small blocks with the weights as the MMA's left
     operand, on Hopper (``hopper``: :func:`hopper_fits`) in :mod:`mxfx.kernels.moe_sm90`,
-    where up to 4 rows per expert take 8-row blocks and mma.sync (no shared memory, no
-    barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks). Past ``SYNC_MAX_ROWS`` rows
-    per expert, on Hopper where the call allows it (``warp_specialized``: bf16, weight rows 16
-    bytes apart, both K over 128: :func:`mxfx.kernels.moe_sm90_ws.fits`), the warp-specialized
-    kernel: up to ``WS_SMALL_ROWS`` rows in 64-row blocks (gpt-oss-120b against 32-row blocks in moe_sm90, alternating runs: T=192 907-908 -> 814-815
-    µs, T=256 911-917 -> 818-832, T=512 944-1009 -> 867-890, T=1024 1355-1411 -> 1057-1069;
-    against 160-row blocks, T=1792 1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706; at
-    T=128, 4 rows, mma.sync 635-637 against 804-806), past that in 160-row blocks (T=4096 ~2950
-    -> 2049 against 128-row blocks in the portable kernel). Elsewhere, 32-row blocks, then
-    128-row blocks with one MMA per K step. ``hidden``: H, which sets GEMM2's grid;
+    where up to ``SYNC_MAX_ROWS`` rows per expert take 8-row blocks and mma.sync (no shared
+    memory, no barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks). Past it, on
+    Hopper where the call allows it (``warp_specialized``: bf16, weight rows 16 bytes apart,
+    both K over 128: :func:`mxfx.kernels.moe_sm90_ws.fits`), the warp-specialized kernel: up
+    to ``WS_SMALL_ROWS`` rows in 64-row blocks (gpt-oss-120b against 32-row blocks in
+    moe_sm90, alternating runs: T=192 907-908 -> 814-815 µs, T=256 911-917 -> 818-832, T=512
+    944-1009 -> 867-890, T=1024 1355-1411 -> 1057-1069; against 160-row blocks, T=1792
+    1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706), past that in 160-row blocks
+    (T=4096 ~2950 -> 2049 against 128-row blocks in the portable kernel). Elsewhere, 32-row
+    blocks, then 128-row blocks with one MMA per K step. ``hidden``: H, which sets GEMM2's grid;
     ``intermediate``: I (default H), which sets GEMM1's."""
     rows = num_pairs / num_experts
     # On per-pair blocks (see _route) the activation row waits in shared memory, not in
@@ -118,13 +127,16 @@ def _gemm(
     a_mx: Optional[tuple[str, torch.Tensor]] = None,
     counters: Optional[torch.Tensor] = None,
     k_sum: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
+    pdl_chain: bool = False,
 ) -> None:
     """One grouped GEMM launch. ``a_mx``: ``a`` holds MX elements (:func:`mx.quantize`) in
     this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only). The
     warp-specialized GEMM1 stores the intermediate in dot order, padded, for GEMM2; under ``aq``
     in natural order, for the caller to quantize-dequantize into dot order. On per-pair blocks
     (:func:`_k_sum_counters`): GEMM1 zeroes ``counters``; GEMM2, given ``k_sum`` (the counters,
-    ``[T, H]`` output, k), also sums the slots into that output."""
+    ``[T, H]`` output, k), also sums the slots into that output. ``pdl_chain`` (moe_sm90 on
+    grouped blocks): launched by PDL (:func:`_pdl_chain`), GEMM1 (no ``route_weights``) after
+    the routing kernels, GEMM2 after GEMM1."""
     quantized = w_scale is not None
     s = w_scale if quantized else w  # unused pointer when float
     b = bias if bias is not None else w
@@ -161,7 +173,7 @@ def _gemm(
         block_n = 32 if gated else 64
         # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
         # no overflow checks).
-        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0, PDL=False)
+        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0)
         if routing.per_pair_experts:
             per_pair.update(debug=True, sanitize_overflow=False, XROW=cfg.x_row_stages)
             if split_k > 1 and cfg.x_row_stages == 4:
@@ -179,10 +191,18 @@ def _gemm(
             count = (cnt, cnt.numel(), summed, summed.stride(0))
             per_pair.update(COUNTERS=2, TOPK=topk)
         programs = num_blocks * cdiv(n_out, block_n) * split_k
+        pdl = 0
         if per_pair["XROW"] and per_pair["COUNTERS"]:
             # GEMM1 lets GEMM2 start at once, where GEMM2 is launched by PDL (_pdl_gemm2).
-            pdl = k_sum is None or _pdl_gemm2(programs, cdiv(cdiv(k_in, moe_sm90.BLOCK_K), split_k), a.device)
-            per_pair.update(PDL=pdl, launch_pdl=pdl and k_sum is not None)
+            if k_sum is None:
+                pdl = moe_sm90.PDL_TRIGGER.value
+            elif _pdl_gemm2(programs, cdiv(cdiv(k_in, moe_sm90.BLOCK_K), split_k), a.device):
+                pdl = moe_sm90.PDL_WAIT_LOADS.value
+        elif pdl_chain:
+            wait = moe_sm90.PDL_WAIT_FIRST if route_weights is None else moe_sm90.PDL_WAIT_LOADS
+            pdl = wait.value | moe_sm90.PDL_TRIGGER.value
+        launch_pdl = pdl & (moe_sm90.PDL_WAIT_FIRST.value | moe_sm90.PDL_WAIT_LOADS.value) != 0
+        per_pair.update(PDL=pdl, launch_pdl=launch_pdl)
         moe_sm90.GEMM_SM90[(programs,)](
             *args, *count, **common, **per_pair, BLOCK_M=cfg.block_m, BLOCK_K=moe_sm90.BLOCK_K, SPLIT_K=split_k,
             SYNC_MMA=cfg.sync_mma, AQ=mx.FMT_CODES[aq.fmt], AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
@@ -277,7 +297,16 @@ def _route(topk_ids: torch.Tensor, weights: MoEWeights, cfg: GemmConfig) -> Rout
     if cfg.sync_mma and (topk_ids.shape[0] == 1 or expected_repeats(topk_ids.numel(), E) * _expert_bytes(weights)
                          <= PER_PAIR_REPEAT_BYTES):
         return per_pair(topk_ids, E, cfg.block_m)
-    return align(topk_ids, E, cfg.block_m)
+    return align(topk_ids, E, cfg.block_m, pdl=cfg.sync_mma)
+
+
+def _pdl_chain(cfg: GemmConfig, routing: Routing) -> bool:
+    """Whether a fused call's launches after the routing kernels, GEMM1, GEMM2 and the k-sum,
+    are each launched by PDL (programmatic dependent launch): grouped blocks on mma.sync, where
+    the routing kernels let GEMM1 start at once (:func:`mxfx.kernels.routing.align`). Each
+    launch then starts while the one before it ends: GEMM1's programs wait for the routing,
+    GEMM2's issue their first weight loads and wait for GEMM1, the k-sum's wait for GEMM2."""
+    return cfg.sync_mma and not routing.per_pair_experts
 
 
 def _k_sum_counters(routing: Routing, T: int, H: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -290,7 +319,7 @@ def _k_sum_counters(routing: Routing, T: int, H: int, device: torch.device) -> O
 
 
 def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=None,
-                   counters=None) -> torch.Tensor:
+                   counters=None, pdl_chain=False) -> torch.Tensor:
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     num_pairs = routing.num_pairs
     y = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=x.device)
@@ -298,13 +327,13 @@ def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx
     _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, y.stride(0), H,
           inter_size, cfg, block_n=cfg.block_n2, split_k=cfg.split_k2,
           route_weights=topk_weights.reshape(-1), a_mx=a_mx,
-          k_sum=(counters, out, k) if counters is not None else None)
+          k_sum=(counters, out, k) if counters is not None else None, pdl_chain=pdl_chain)
     if counters is not None:
         return out
     block_h = min(1024, next_power_of_2(H))
     moe_portable.SUM_SLOTS[(T, cdiv(H, block_h))](
         y, topk_ids.reshape(-1), out, H, weights.num_experts, y.stride(0), out.stride(0),
-        TOPK=topk_ids.shape[1], SPLIT_K=cfg.split_k2, BLOCK_H=block_h,
+        TOPK=topk_ids.shape[1], SPLIT_K=cfg.split_k2, BLOCK_H=block_h, PDL=pdl_chain, launch_pdl=pdl_chain,
     )
     return out
 
@@ -428,9 +457,11 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
             and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel()):
         return _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
     counters = _k_sum_counters(routing, T, H, x.device)
+    chain = _pdl_chain(cfg, routing)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
-          H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters)
-    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters)
+          H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain)
+    return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters,
+                          pdl_chain=chain)
 
 
 _FUSED = Replayer(_fused_moe)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from mxfx.kernels import mx
 from mxfx.kernels.launch import Launcher
@@ -266,7 +267,10 @@ def _moe_gemm(
 
 @triton.jit
 def _sum_slots(y_ptr, ids_ptr, out_ptr, H, num_experts, stride_ys, stride_ot, TOPK: tl.constexpr,
-               SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr):
+               SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    # PDL: launched by PDL after GEMM2, whose partials it reads.
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H

@@ -26,9 +26,10 @@ fragments each step, so the registers hold the weights of 3 or 4 steps ahead
 program that met a larger scale runs its loop again by the unpack exact for every scale
 (:func:`_k_loops_exact`).
 
-Launched by PDL (programmatic dependent launch, ``PDL``), a per-pair GEMM2's programs start
-while GEMM1 runs and wait for it by ``griddepcontrol.wait`` once their first weight loads
-are issued.
+Launched by PDL (programmatic dependent launch, ``PDL``), GEMM2's programs start while GEMM1
+runs and wait for it by ``griddepcontrol.wait`` once their first weight loads are issued; on
+grouped blocks GEMM1 is launched by PDL too, after the routing kernels, and waits for them
+before it reads the routing.
 
 :func:`_moe_per_pair_sm90` runs a per-pair call's two GEMMs (and its k-sum) as one launch, the
 second GEMM's programs waiting on counters for the first's: one launch's host time in an eager
@@ -81,6 +82,13 @@ ld.acquire.gpu.global.b32 $0, [$1];
 # output it reads: it waits for that grid by griddepcontrol.wait, not on a counter.
 _PREVIOUS_GRID = gl.constexpr(-1)
 
+# A launch's part in PDL, the bits of _moe_gemm_sm90's PDL (moe._gemm passes their values).
+# Every program of a grid launched by PDL waits, so that its end implies the previous grid's,
+# and so on up the chain.
+PDL_TRIGGER = gl.constexpr(1)  # the grid launched after this one by PDL may start at once
+PDL_WAIT_FIRST = gl.constexpr(2)  # launched by PDL: waits for the previous grid before it reads anything
+PDL_WAIT_LOADS = gl.constexpr(4)  # launched by PDL: reads the routing, issues its first weight loads, waits
+
 
 @gluon.jit
 def _grid_control(op: gl.constexpr):
@@ -132,15 +140,19 @@ def _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
-    """:func:`_load_w` and the activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0``
-    (zeros for the rows where ``x_ok`` is false)."""
-    w, s = _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED)
+def _load_x(x_rows, x_ok, xk, k0, k_end, MASKED: gl.constexpr):
+    """The activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0`` (zeros for the rows where
+    ``x_ok`` is false)."""
     if MASKED:
-        x = gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
-    else:
-        x = gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
-    return w, s, x
+        return gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
+    return gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
+
+
+@gluon.jit
+def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
+    """:func:`_load_w` and :func:`_load_x` of the K step at ``k0``."""
+    w, s = _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED)
+    return w, s, _load_x(x_rows, x_ok, xk, k0, k_end, MASKED)
 
 
 @gluon.jit
@@ -233,10 +245,12 @@ def _x_row_step(x_all, step, BLOCK_M: gl.constexpr, NI: gl.constexpr, XL: gl.con
 @gluon.jit
 def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo, k_end,
             NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr, PER_PAIR: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
-            A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr):
+            WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr,
+            XL: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr,
+            SMALL_SCALES: gl.constexpr):
     """The K loop with the block's activations loaded into registers with its weights, one
-    step ahead (``NFULL`` unmasked steps of ``NS``)."""
+    step ahead (``NFULL`` unmasked steps of ``NS``). ``WAIT`` 0, or ``_PREVIOUS_GRID``: the
+    first two steps' weight loads are issued before the wait, their activations after."""
     X4: gl.constexpr = gl.SliceLayout(4, XL)
     X3: gl.constexpr = gl.SliceLayout(3, X4)
     X2: gl.constexpr = gl.SliceLayout(2, X3)
@@ -270,9 +284,14 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
         x_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], X_SMEM)
     # Steps 2i and 2i+1 of the loop use x_smem0 and x_smem1; its loads need no K mask.
     ITER: gl.constexpr = (NFULL - 2) // 2 if NFULL > 1 else 0
-    w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo, k_end, NFULL == 0)
+    w0, s0 = _load_w(w_rows, s_rows, wc, sg, k_lo, k_end, NFULL == 0)
     if NS > 1:
-        w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+        w1, s1 = _load_w(w_rows, s_rows, wc, sg, k_lo + BLOCK_K, k_end, NFULL <= 1)
+    if WAIT == _PREVIOUS_GRID:
+        _grid_control("wait")
+    x0 = _load_x(x_rows, x_ok, xk, k_lo, k_end, NFULL == 0)
+    if NS > 1:
+        x1 = _load_x(x_rows, x_ok, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
@@ -355,8 +374,8 @@ def _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn
                              NFULL, NS, XROW, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SMALL_SCALES)
     else:
         return _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo,
-                       k_end, NFULL, NS, A_ROW_DIV, PER_PAIR, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA,
-                       SMALL_SCALES)
+                       k_end, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L,
+                       SYNC_MMA, SMALL_SCALES)
 
 
 @gluon.jit(noinline=True)
@@ -419,7 +438,7 @@ def _program(
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "activation row in shared memory: per-pair mma.sync")
-    gl.static_assert(WAIT == 0 or XROW != 0, "a waiting program reads its activation row into shared memory")
+    gl.static_assert(WAIT <= 0 or XROW != 0, "a program waiting on a counter reads its row into shared memory")
     BLOCK_N: gl.constexpr = 32 if GATED else 64
     NI: gl.constexpr = BLOCK_K // 128
     WL: gl.constexpr = tile.w_layout(NI)
@@ -446,9 +465,9 @@ def _program(
     if PER_PAIR_E:  # routing.per_pair: block blk is pair blk, its id (any integer dtype) unchecked
         gl.device_assert(expert < PER_PAIR_E, "topk_ids: expert id >= E")
     if expert < 0:
+        if WAIT == _PREVIOUS_GRID:  # (and GEMM1 zeroes the k-sum's counters)
+            _grid_control("wait")
         if COUNTERS == 2:
-            if WAIT == _PREVIOUS_GRID:  # GEMM1 zeroes the counters
-                _grid_control("wait")
             _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
                            pid % num_n, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)
         return
@@ -520,22 +539,24 @@ def _moe_gemm_sm90(
     AQ: gl.constexpr = 0,
     AQ_ROUNDING: gl.constexpr = 0,
     XROW: gl.constexpr = 0,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = 0,
 ):
-    """One grouped GEMM launch (``moe._gemm``). ``PDL``, on per-pair blocks with the activation
-    row in shared memory: GEMM1 (``COUNTERS`` 1) lets GEMM2, launched after it by PDL, start at
-    once, and GEMM2 (``COUNTERS`` 2) issues its first weight loads while GEMM1 runs, then waits
-    for it."""
+    """One grouped GEMM launch (``moe._gemm``). ``PDL``: its part in programmatic dependent
+    launch, bits ``PDL_TRIGGER`` (the next launch may start at once), ``PDL_WAIT_FIRST`` (GEMM1
+    after the routing kernels) or ``PDL_WAIT_LOADS`` (GEMM2, whose first weight loads are issued
+    while GEMM1 runs)."""
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
-    gl.static_assert(not PDL or (XROW != 0 and COUNTERS != 0), "PDL: per-pair GEMMs, row in shared memory")
-    if PDL and COUNTERS == 1:
+    gl.static_assert((PDL & PDL_WAIT_FIRST == 0) or (PDL & PDL_WAIT_LOADS == 0), "PDL: one wait")
+    if PDL & PDL_WAIT_FIRST:
+        _grid_control("wait")
+    if PDL & PDL_TRIGGER:
         _grid_control("launch_dependents")
     _program(gl.program_id(0), a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
              bias_ptr, stride_be, stride_bn, rw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, cnt_ptr, num_cnt, sum_ptr, stride_sum,
              cnt_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, BLOCK_K,
              SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING,
-             _PREVIOUS_GRID if PDL and COUNTERS == 2 else 0, XROW)
+             _PREVIOUS_GRID if PDL & PDL_WAIT_LOADS else 0, XROW)
 
 
 @gluon.jit

@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 
@@ -51,8 +52,11 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    """counts[c, e]: how many of chunk c's pairs go to expert e."""
+                  CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """counts[c, e]: how many of chunk c's pairs go to expert e. ``PDL``: the placement
+    kernel, launched by PDL, may start at once (see :func:`align`)."""
+    if PDL:
+        gdc_launch_dependents()
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
@@ -78,10 +82,17 @@ def _place_kernel(
     SUB: tl.constexpr,
     NC_POW2: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program c places chunk c's pairs and describes its share of the blocks. Every
     program derives the same expert offsets from all chunks' counts (with ``ONE_CHUNK``
-    it counts its own pairs, and ``_count_kernel`` is not launched)."""
+    it counts its own pairs, and ``_count_kernel`` is not launched). ``PDL``: launched by PDL
+    after ``_count_kernel`` (unless ``ONE_CHUNK``), and the GEMM launched after it by PDL may
+    start at once."""
+    if PDL:
+        if not ONE_CHUNK:
+            gdc_wait()
+        gdc_launch_dependents()
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     if ONE_CHUNK:
@@ -153,7 +164,8 @@ def per_pair(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     return Routing(ids, ids, ids, block_m, ids.numel(), num_experts)
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optional[int] = None) -> Routing:
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optional[int] = None,
+          pdl: bool = False) -> Routing:
     """Group the pairs of ``topk_ids [T, k]`` (any integer dtype) by expert; see the module doc.
 
     ``chunk`` (a power of two) pairs per program: per-chunk expert counts, then each chunk
@@ -161,6 +173,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optiona
     least 64, and large enough for at most 128 chunks, since every program reads all chunks'
     counts (H200, top-4 of 128 experts, against 256: T=64 11.2 -> 6.9 µs, T=512 10.4 -> 6.9,
     T=4096 10.9 -> 9.0 with 128).
+
+    ``pdl`` (CUDA, sm_90 and later): the kernels are the head of a chain of launches by PDL
+    (programmatic dependent launch): each lets the next launch start at once, and the placement
+    kernel, launched by PDL after the count, waits for it. The GEMM launched next by PDL must
+    wait for the placement (``griddepcontrol.wait``) before it reads the routing.
     """
     num_pairs = topk_ids.numel()
     nb = max_blocks(num_pairs, num_experts, block_m)
@@ -178,11 +195,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optiona
         counts = block_rows  # placeholder pointer: unused with ONE_CHUNK
         if num_chunks > 1:
             counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=dev)
-            _COUNT[(num_chunks,)](ids, counts, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=chunk)
+            _COUNT[(num_chunks,)](ids, counts, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=chunk, PDL=pdl)
         _PLACE[(num_chunks,)](
             ids, counts, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, num_chunks, nb,
             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, SUB=min(chunk, 64),
-            NC_POW2=next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1,
+            NC_POW2=next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1, PDL=pdl,
+            launch_pdl=pdl and num_chunks > 1,
             # The id check is a device-side assert (no host synchronisation). Debug mode would
             # also check every integer add for overflow: 3x the instructions, so that is off.
             debug=True, sanitize_overflow=False,

@@ -274,14 +274,14 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
     [
         (1, 8, 2880, 2880, 4, GPT_OSS, True),  # split-K GEMM2
         (12, 16, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), True),  # halves layout
-        (12, 8, 2880, 2880, 4, GPT_OSS, False),  # 32-row blocks
-        (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), False),
-        (12, 4, 224, 96, 2, SILU_AND_MUL, False),  # no limit; K = 224, 96 below one 128-step
-        (24, 4, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), False),
+        (14, 8, 2880, 2880, 4, GPT_OSS, False),  # 32-row blocks
+        (14, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), False),
+        (14, 4, 224, 96, 2, SILU_AND_MUL, False),  # no limit; K = 224, 96 below one 128-step
+        (28, 4, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), False),
     ],
 )
 def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
-    """On Hopper, bf16 MXFP4 up to 4 rows per expert runs :mod:`mxfx.kernels.moe_sm90` with
+    """On Hopper, bf16 MXFP4 up to 6 rows per expert runs :mod:`mxfx.kernels.moe_sm90` with
     mma.sync on 8-row blocks (fused and unfused, and A8: x quantized by a pass of its own, the
     intermediate in GEMM1's epilogue); above that, weight rows not 16 bytes apart (so not the
     warp-specialized kernel of the next test) take its wgmma on 32-row blocks; weights not
@@ -317,7 +317,7 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-@pytest.mark.parametrize("T,E,pad", [(1, 8, 0), (12, 16, 0), (12, 8, 4)])  # per pair, 8-row blocks, wgmma
+@pytest.mark.parametrize("T,E,pad", [(1, 8, 0), (12, 16, 0), (14, 8, 4)])  # per pair, 8-row blocks, wgmma
 def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E, pad):
     """Under W4A8/W4A4, moe_sm90's GEMM1 quantize-dequantizes the intermediate in its epilogue:
     the same bits as GEMM1 without it followed by ``mx.quantize_dequantize``."""
@@ -353,7 +353,7 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
         (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 160),  # halves layout, K tail 96
         (70, 2, 224, 160, 2, SILU_AND_MUL, 160),  # no limit; K = 224, 160: two steps, tails of 96 and 32
         (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64),  # E = 1: 40 rows in one block
-        (9, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # 4.5 rows per expert: 16-wide MMAs
+        (14, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # 7 rows per expert: 16-wide MMAs
         (600, 4, 2880, 352, 1, GPT_OSS, 160),  # every token on expert 0
         (144, 4, 2880, 352, 1, GPT_OSS, 64),  # all on expert 0 in 64-row blocks: 64-, 64- and 16-wide MMAs
         (130, 8, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # ~32 rows per expert: 32- and 64-wide
@@ -362,7 +362,7 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
     ],
 )
 def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, block_m):
-    """On Hopper, bf16 MXFP4 above 4 rows per expert runs :mod:`mxfx.kernels.moe_sm90_ws`
+    """On Hopper, bf16 MXFP4 above 6 rows per expert runs :mod:`mxfx.kernels.moe_sm90_ws`
     (64-row blocks up to 56 rows per expert, 160-row blocks past) for both GEMMs of the fused
     backend, on dot-ordered inputs (quantize-dequantized on the way under A8), as does the
     unfused backend, and matches emulation with NaN-poisoned padding around every input.
@@ -461,7 +461,8 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     # The activation row in shared memory, the weights 4 steps ahead (T * k * I/32 <= 512);
     # GEMM2 launched by PDL, GEMM1 letting it start.
     assert ([(m["PER_PAIR_E"], m["COUNTERS"], m["XROW"], m["PDL"], m["launch_pdl"]) for m in gemms]
-            == [(E, 1, 4, True, False), (E, 2, 4, True, True)] and not sums)
+            == [(E, 1, 4, moe_sm90.PDL_TRIGGER.value, False), (E, 2, 4, moe_sm90.PDL_WAIT_LOADS.value, True)]
+            and not sums)
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert not out.isnan().any() and _rel_err(out, ref) <= 5e-3
     if case == "none routed":
@@ -482,6 +483,54 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     grouped = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert [(m["PER_PAIR_E"], m["XROW"]) for m in gemms] == [(0, 0), (0, 0)] and len(sums) == 1
     assert torch.equal(replayed, again) and torch.equal(again, grouped)
+
+
+@pytest.mark.parametrize("T", [8, 20])
+def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
+    """On Hopper, grouped 8-row mma.sync blocks run the routing kernels (one; at T=20, 80 pairs,
+    two), GEMM1, GEMM2 and the k-sum as a chain of launches by PDL, each starting while the one
+    before it ends. A launch that read what the one before it writes before waiting for it would
+    show here: in a CUDA graph replayed on new ids, again and again, the output equals to the bit
+    the per-pair blocks' (no routing kernel, the k-sum in GEMM2) on the same ids, and emulation's
+    up to rounding."""
+    from mxfx.kernels import moe_sm90, routing
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)
+    E, H, I, k = 128, 352, 160, 4
+    W = _weights(E, H, I, torch.bfloat16)
+    x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=T)
+    gemms, sums = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_portable.SUM_SLOTS)
+    counts, places = _spy(monkeypatch, routing._COUNT), _spy(monkeypatch, routing._PLACE)
+    eager = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    assert [(m["PER_PAIR_E"], m["SYNC_MMA"], m["PDL"], m["launch_pdl"]) for m in gemms] == [
+        (0, True, moe_sm90.PDL_WAIT_FIRST.value | moe_sm90.PDL_TRIGGER.value, True),
+        (0, True, moe_sm90.PDL_WAIT_LOADS.value | moe_sm90.PDL_TRIGGER.value, True)]
+    assert [(m["PDL"], m["launch_pdl"]) for m in sums] == [(True, True)]
+    assert [(m["PDL"], m["launch_pdl"]) for m in places] == [(True, T == 20)]
+    assert [m["PDL"] for m in counts] == [True] * (T == 20)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    outs, id_sets = [], []
+    for shift in (1, 2, 3):
+        ids.copy_(ids.roll(shift, 0))
+        id_sets.append(ids.clone())
+        graph.replay()
+        outs.append(out.clone())
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", float("inf"))
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
+    gemms.clear()
+    for replayed, new_ids in zip(outs, id_sets):
+        per_pair = moe.fused_moe(x, tw, new_ids, W, GPT_OSS, ActivationQuant())
+        assert torch.equal(replayed, per_pair)
+        assert _rel_err(replayed, emulation.moe(x, tw, new_ids, W, GPT_OSS, ActivationQuant())) <= 5e-3
+    assert not gemms  # per pair: both GEMMs in one launch
 
 
 @pytest.mark.parametrize("path", ["per pair, one launch", "per pair, graph", "8-row blocks"])
