@@ -604,7 +604,10 @@ def _moe_per_pair_sm90(
                  H, TOPK, True, GATE_STRIDE, HAS_LIMIT, HAS_BIAS1, False, 8, _BLOCK_K, 1, True, E, 0, 1,
                  AQ, AQ_ROUNDING, 0, XROW)
         gl.thread_barrier()  # every thread's stores, then the release
-        gl.atomic_add(ready + ticket // N1, 1, sem="release", scope="gpu")
+        # An unrouted pair's GEMM2 programs do not wait for its GEMM1 programs, which may then
+        # count last: whichever program counts last resets the counter.
+        if gl.atomic_add(ready + ticket // N1, 1, sem="release", scope="gpu") == N1 + N2 - 1:
+            gl.store(ready + ticket // N1, 0)
     else:
         pid = ticket - g1
         _program(pid, inter_ptr, stride_im, w2_ptr, stride_w2e, stride_w2n, s2_ptr, stride_s2e, stride_s2n,
@@ -612,7 +615,7 @@ def _moe_per_pair_sm90(
                  H, 0, 1.0, 0.0, 0.0, ready + num_pairs, 0, out_ptr, stride_out, ready,
                  I, 1, False, 1, False, HAS_BIAS2, True, 8, _BLOCK_K, SPLIT_K, True, E, 2, TOPK, 0, 0, N1, XROW)
         # After the pair's N1 GEMM1 programs (waited for, or, unrouted, not): the last of its
-        # GEMM2 programs sees N1 + N2 - 1 and resets the counter.
+        # N1 + N2 programs to count sees N1 + N2 - 1 and resets the counter.
         pair = pid // N2
         if gl.atomic_add(ready + pair, 1, sem="relaxed", scope="gpu") == N1 + N2 - 1:
             gl.store(ready + pair, 0)

@@ -406,7 +406,7 @@ def test_one_step_k_loops_are_not_warp_specialized(monkeypatch, H, I):
 
 
 @pytest.mark.parametrize("T,case", [(1, "routed"), (1, "none routed"), (3, "routed"), (4, "repeated"),
-                                    (4, "32 pairs")])
+                                    (4, "32 pairs"), (5, "k = E")])
 @pytest.mark.parametrize("fn", [moe.fused_moe, _unfused], ids=["fused", "unfused"])
 def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     """On Hopper, one token, or pairs whose expected repeated experts cost little (here up to
@@ -424,8 +424,10 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
-    # 32 pairs of 256 experts: past pick_config's few-pairs tiles, still per pair.
-    E, H, I, k = (256, 352, 160, 8) if case == "32 pairs" else (128, 352, 160, 4)
+    # 32 pairs of 256 experts: past pick_config's few-pairs tiles, still per pair. k = E: every
+    # expert repeated; token 1's unrouted slot once left its counter at N1 + N2 in the one launch
+    # (its GEMM1 programs counted after its GEMM2 programs, which had checked for the last count).
+    E, H, I, k = {"32 pairs": (256, 352, 160, 8), "k = E": (4, 2880, 352, 4)}.get(case, (128, 352, 160, 4))
     for replayer in (moe._FUSED, moe._UNFUSED):
         monkeypatch.setattr(replayer, "_plans", {})
     W = _weights(E, H, I, torch.bfloat16)
