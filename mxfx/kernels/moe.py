@@ -333,7 +333,8 @@ def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx
     block_h = min(1024, next_power_of_2(H))
     moe_portable.SUM_SLOTS[(T, cdiv(H, block_h))](
         y, topk_ids.reshape(-1), out, H, weights.num_experts, y.stride(0), out.stride(0),
-        TOPK=topk_ids.shape[1], SPLIT_K=cfg.split_k2, BLOCK_H=block_h, PDL=pdl_chain, launch_pdl=pdl_chain,
+        TOPK=topk_ids.shape[1], SPLIT_K=cfg.split_k2, BLOCK_H=block_h, PDL=pdl_chain,
+        **({"launch_pdl": True} if pdl_chain else {}),  # (an option of the CUDA backend only)
     )
     return out
 

@@ -200,7 +200,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optiona
             ids, counts, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, num_chunks, nb,
             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, SUB=min(chunk, 64),
             NC_POW2=next_power_of_2(num_chunks), ONE_CHUNK=num_chunks == 1, PDL=pdl,
-            launch_pdl=pdl and num_chunks > 1,
+            # (an option of the CUDA backend only)
+            **({"launch_pdl": True} if pdl and num_chunks > 1 else {}),
             # The id check is a device-side assert (no host synchronisation). Debug mode would
             # also check every integer add for overflow: 3x the instructions, so that is off.
             debug=True, sanitize_overflow=False,
