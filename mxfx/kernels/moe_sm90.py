@@ -465,7 +465,7 @@ def _program(
     if PER_PAIR_E:  # routing.per_pair: block blk is pair blk, its id (any integer dtype) unchecked
         gl.device_assert(expert < PER_PAIR_E, "topk_ids: expert id >= E")
     if expert < 0:
-        if WAIT == _PREVIOUS_GRID:  # (and GEMM1 zeroes the k-sum's counters)
+        if WAIT == _PREVIOUS_GRID:  # (as every program launched by PDL; per pair, GEMM1 zeroes the counters)
             _grid_control("wait")
         if COUNTERS == 2:
             _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
