@@ -119,10 +119,9 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
         # Grouped 8-row blocks on Hopper (per-pair blocks off; 2.5 rows per expert), the routing
         # in two kernels (80 pairs): a chain of launches by PDL.
         moe.PER_PAIR_REPEAT_BYTES = 0
-        T, E32 = 40, 32
-        moe.fused_moe(torch.zeros(T, H, dtype=torch.bfloat16), torch.ones(T, k, dtype=torch.bfloat16),
-                      torch.arange(T * k, dtype=torch.int32).reshape(T, k) % E32,
-                      _weights(E32, H, I, torch.bfloat16, True), GPT_OSS, ActivationQuant())
+        ids = torch.arange(80, dtype=torch.int32).reshape(40, k) % 32
+        moe.fused_moe(torch.zeros(40, H, dtype=torch.bfloat16), torch.ones(40, k, dtype=torch.bfloat16), ids,
+                      _weights(32, H, I, torch.bfloat16, True), GPT_OSS, ActivationQuant())
         # Routing: one chunk smaller than, one as large as the default, several chunks.
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
