@@ -424,22 +424,24 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     # Above 6 rows per expert: the warp-specialized kernel, or where the weight rows are not 16
     # bytes apart (but 4: words), wgmma on 32-row blocks.
     assert kernels(14) == ["_moe_gemm_sm90_ws"] * 2
-    assert gemm_meta("BLOCK_M") == [(64,)] * 2
+    # Up to 24 rows per expert 32-row blocks, 10 ring slots for GEMM1, 9 for GEMM2; the unpack by
+    # one multiply there and in 64-row blocks (SPLIT), not in 160-row ones.
+    assert gemm_meta("BLOCK_M", "STAGES", "SPLIT") == [(32, 10, True), (32, 9, True)]
     shifted = lambda w: torch.zeros(w.shape[0], w.shape[1], w.shape[2] + 4, dtype=w.dtype)[..., :-4].copy_(w)  # noqa: E731
     assert kernels(14, w13=shifted) == ["_moe_gemm_sm90"] * 2
     assert gemm_meta("SYNC_MMA", "BLOCK_M") == [(False, 32)] * 2
     assert kernels(200) == ["_moe_gemm_sm90_ws"] * 2  # large T: warp-specialized, on dot-ordered x
     names = [name for name, _ in launched]
     assert names.index("_dot_order_kernel") < names.index("_moe_gemm_sm90_ws")
-    assert gemm_meta("BLOCK_M", "DOT_ORDER_OUT") == [(160, True), (160, False)]
+    assert gemm_meta("BLOCK_M", "DOT_ORDER_OUT", "SPLIT") == [(160, True, False), (160, False, False)]
     # Three consumers (192-row tiles) and the producer; ring slots as shared memory allows:
     # GEMM1's narrower epilogue leaves room for 4, GEMM2 3.
     assert gemm_meta("NC", "maxnreg", "CONSUMER_REGS", "PRODUCER_REGS", "STAGES") == [(3, 128, 160, 40, 4),
                                                                                       (3, 128, 160, 40, 3)]
     # 40 rows per expert: 64-row blocks, the same warpgroups, 6 ring slots.
     assert kernels(80) == ["_moe_gemm_sm90_ws"] * 2
-    assert gemm_meta("BLOCK_M", "NC", "maxnreg", "CONSUMER_REGS", "PRODUCER_REGS", "STAGES") == [
-        (64, 3, 128, 160, 40, 6)] * 2
+    assert gemm_meta("BLOCK_M", "NC", "maxnreg", "CONSUMER_REGS", "PRODUCER_REGS", "STAGES", "SPLIT") == [
+        (64, 3, 128, 160, 40, 6, True)] * 2
     # Activation quantization: x and the intermediate quantize-dequantized into dot order,
     # around GEMM1, which then stores the intermediate in natural order.
     assert kernels(200, aq=ActivationQuant("mxfp4", "round_up")) == ["_moe_gemm_sm90_ws"] * 2
@@ -481,11 +483,14 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
 @pytest.mark.parametrize("fmt, rounding, dtype", [("none", "even", torch.float32), ("mxfp8", "even", torch.float32),
                                                    ("mxfp4", "round_up", torch.float16), ("mxfp4", "floor", torch.float32)])
 @pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 224), (5, 256)])
-def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, rounding, dtype):
+@pytest.mark.parametrize("block_m", [32, 160])
+def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, rounding, dtype, block_m):
     """moe_sm90_ws.dot_order: natural K offset 128i + 32c + 8j + 4b1 + 2b0 + e (lane c's byte
     4j + 2b1 + b0, nibble e) lands at 128i + 32j + 16b1 + 8b0 + 2c + e, the order in which the
-    Hopper kernels' unpack lays the weights into A fragments; the padding up to a multiple of
-    128 columns is zero, and rows keep their strides. Under activation quantization each
+    Hopper kernels' prmt unpack lays the weights into A fragments (160-row blocks); for blocks
+    of up to 64 rows, whose unpack by one multiply puts value v = 4b1 + 2b0 + e of a word where
+    the other puts value 2(v % 4) + v // 4, at that value's place. The padding up to a multiple
+    of 128 columns is zero, and rows keep their strides. Under activation quantization each
     natural 32-block is quantize-dequantized first, bit-exact against mxfx.formats (a block
     holding an Inf included)."""
     from mxfx.kernels import moe_sm90_ws
@@ -493,14 +498,16 @@ def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, 
     x = (torch.randn(M, K + 3) * 4)[:, :K].to(dtype)
     if M > 1:
         x[1, 40] = float("inf")
-    out = moe_sm90_ws.dot_order(x, ActivationQuant(fmt, rounding))
+    out = moe_sm90_ws.dot_order(x, block_m, ActivationQuant(fmt, rounding))
     if fmt != "none":
         x = formats.quantize_dequantize(x, fmt, rounding)
         assert x.isnan().any() == (M > 1)
     KP = -(-K // 128) * 128
     k = torch.arange(K)
     r = k % 128
-    pos = k - r + 32 * ((r // 8) % 4) + 16 * ((r // 4) % 2) + 8 * ((r // 2) % 2) + 2 * (r // 32) + r % 2
+    if block_m <= 64:
+        r = r - r % 8 + 2 * (r % 4) + (r % 8) // 4
+    pos = k - k % 128 + 32 * ((r // 8) % 4) + 16 * ((r // 4) % 2) + 8 * ((r // 2) % 2) + 2 * (r // 32) + r % 2
     ref = torch.zeros(M, KP, dtype=dtype)
     ref[:, pos] = x
     assert out.shape == (M, KP) and torch.equal(out.isnan(), ref.isnan())

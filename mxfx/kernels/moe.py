@@ -53,6 +53,14 @@ class GemmConfig(NamedTuple):
 # 221 / 173-179, T=48 220 / 191-196, T=56 220-221 / 207-211, T=64 221-223 / 226-228.
 SYNC_MAX_ROWS = 6
 WS_SMALL_ROWS = 56
+# Up to WS_TINY_ROWS rows per expert the warp-specialized kernel's blocks are 32 rows, whose ring
+# has 9-10 slots rather than 6 (moe_sm90_ws.TINY_BLOCK_M). H200, graph µs, min-max of 2
+# alternating processes, 32- / 64-row blocks (both unpacking by one multiply, before the check
+# for scales over 128 was added): gpt-oss-120b T=224 672-673 / 688-689, T=256 680-684 / 700,
+# T=512 748-762 / 767-768, T=640 (20 rows) 789-790 / 803-806, T=768 (24) 844-875 / 889-891,
+# T=1024 (32) 1084-1108 / 957-958; MiniMax-M3 T=256 1450-1451 / 1461-1465; Qwen3-30B-A3B T=256
+# 175-176 / 179; Mixtral-8x7B T=64 349-350 / 354-355; gpt-oss-20b T=160 222-223 / 229-230.
+WS_TINY_ROWS = 24
 
 
 def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = False,
@@ -64,7 +72,8 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     memory, no barriers: T=64 629 -> 558 µs against wgmma on 16-row blocks). Past it, on
     Hopper where the call allows it (``warp_specialized``: bf16, weight rows 16 bytes apart,
     both K over 128: :func:`mxfx.kernels.moe_sm90_ws.fits`), the warp-specialized kernel: up
-    to ``WS_SMALL_ROWS`` rows in 64-row blocks (gpt-oss-120b against 32-row blocks in
+    to ``WS_TINY_ROWS`` rows in 32-row blocks, up to ``WS_SMALL_ROWS`` in 64-row blocks
+    (gpt-oss-120b, session 13, against 32-row blocks in
     moe_sm90, alternating runs: T=192 907-908 -> 814-815 µs, T=256 911-917 -> 818-832, T=512
     944-1009 -> 867-890, T=1024 1355-1411 -> 1057-1069; against 160-row blocks, T=1792
     1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706), past that in 160-row blocks
@@ -83,6 +92,8 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     x_row_stages = 4 if num_pairs * cdiv(hidden if intermediate is None else intermediate, 32) <= 512 else 3
     if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
         block_m = moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M
+        if rows <= WS_TINY_ROWS:
+            block_m = moe_sm90_ws.TINY_BLOCK_M.value
         return GemmConfig(block_m, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is small, so its K range
@@ -435,10 +446,10 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
         act_quant = aq.fmt != "none"
         inter = torch.empty(T * k, inter_size if act_quant else moe_sm90_ws.padded(inter_size), dtype=x.dtype,
                             device=x.device)
-        _gemm(moe_sm90_ws.dot_order(x, aq), k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0,
-              inter_size, H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
+        _gemm(moe_sm90_ws.dot_order(x, cfg.block_m, aq), k, weights.w13, weights.w13_scale, weights.w13_bias, routing,
+              inter, 0, inter_size, H, cfg, block_n=cfg.block_n1, act=act, aq=aq)
         if act_quant:
-            inter = moe_sm90_ws.dot_order(inter, aq)
+            inter = moe_sm90_ws.dot_order(inter, cfg.block_m, aq)
         return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg)
     inter = torch.empty(T * k, inter_size, dtype=x.dtype, device=x.device)
     if native:
@@ -502,11 +513,11 @@ def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_sca
     pre = torch.empty(T * k, 2 * inter_size, dtype=x.dtype, device=x.device)
     counters = _k_sum_counters(routing, T, H, x.device)
     # The warp-specialized kernel reads both GEMM inputs in the dot's K order.
-    _gemm(moe_sm90_ws.dot_order(x) if cfg.ws else x, k, weights.w13, weights.w13_scale, weights.w13_bias, routing,
-          pre, 0, 2 * inter_size, H, cfg, block_n=2 * cfg.block_n1, counters=counters)
+    _gemm(moe_sm90_ws.dot_order(x, cfg.block_m) if cfg.ws else x, k, weights.w13, weights.w13_scale,
+          weights.w13_bias, routing, pre, 0, 2 * inter_size, H, cfg, block_n=2 * cfg.block_n1, counters=counters)
     inter = gated_activation(pre, act)
     if cfg.ws:
-        inter = moe_sm90_ws.dot_order(inter)
+        inter = moe_sm90_ws.dot_order(inter, cfg.block_m)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters)
 
 

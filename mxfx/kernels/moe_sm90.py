@@ -31,6 +31,9 @@ runs and wait for it by ``griddepcontrol.wait`` once their first weight loads ar
 grouped blocks GEMM1 is launched by PDL too, after the routing kernels, and waits for them
 before it reads the routing.
 
+:func:`exact_rows` is the exact unpack's K loop over 8 rows, for the warp-specialized kernel to
+compute again the rows of a tile whose weights have a scale over 128.
+
 :func:`_moe_per_pair_sm90` runs a per-pair call's two GEMMs (and its k-sum) as one launch, the
 second GEMM's programs waiting on counters for the first's: one launch's host time in an eager
 call instead of two.
@@ -140,19 +143,19 @@ def _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _load_x(x_rows, x_ok, xk, k0, k_end, MASKED: gl.constexpr):
-    """The activations ``[BM, NI, 4, 4, 8]`` of the K step at ``k0`` (zeros for the rows where
-    ``x_ok`` is false)."""
+def _load_x(x_rows, x_ok, xk, xo, k0, k_end, MASKED: gl.constexpr):
+    """The activations ``[BM, NI, 4, 4, 8]`` at natural K offsets ``k0 + xk``, stored at ``k0 + xo``
+    (zeros for the rows where ``x_ok`` is false)."""
     if MASKED:
-        return gl.load(x_rows + (k0 + xk), mask=x_ok & (k0 + xk < k_end), other=0.0)
-    return gl.load(x_rows + (k0 + xk), mask=x_ok, other=0.0)
+        return gl.load(x_rows + (k0 + xo), mask=x_ok & (k0 + xk < k_end), other=0.0)
+    return gl.load(x_rows + (k0 + xo), mask=x_ok, other=0.0)
 
 
 @gluon.jit
-def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0, k_end, MASKED: gl.constexpr):
+def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, xo, k0, k_end, MASKED: gl.constexpr):
     """:func:`_load_w` and :func:`_load_x` of the K step at ``k0``."""
     w, s = _load_w(w_rows, s_rows, wc, sg, k0, k_end, MASKED)
-    return w, s, _load_x(x_rows, x_ok, xk, k0, k_end, MASKED)
+    return w, s, _load_x(x_rows, x_ok, xk, xo, k0, k_end, MASKED)
 
 
 @gluon.jit
@@ -247,10 +250,12 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
             NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr, PER_PAIR: gl.constexpr,
             WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr,
             XL: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr,
-            SMALL_SCALES: gl.constexpr):
+            SMALL_SCALES: gl.constexpr, X_DOT: gl.constexpr):
     """The K loop with the block's activations loaded into registers with its weights, one
     step ahead (``NFULL`` unmasked steps of ``NS``). ``WAIT`` 0, or ``_PREVIOUS_GRID``: the
-    first two steps' weight loads are issued before the wait, their activations after."""
+    first two steps' weight loads are issued before the wait, their activations after.
+    ``X_DOT``: the activations are stored as the warp-specialized kernel reads them in blocks
+    of up to 64 rows (:func:`mxfx.kernels.moe_sm90_ws.dot_order`), and read back in natural order."""
     X4: gl.constexpr = gl.SliceLayout(4, XL)
     X3: gl.constexpr = gl.SliceLayout(3, X4)
     X2: gl.constexpr = gl.SliceLayout(2, X3)
@@ -275,6 +280,7 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
     # The block's padding rows are not read: a block of few rows would otherwise spend most
     # of its activation traffic on copies of row 0 (T=512: 981 -> 957 µs).
     x_ok = gl.expand_dims(gl.expand_dims(tile.x3(m < nrows), 3), 4) & (xk >= 0)  # (& broadcasts to [BM, NI, 4, 4, 8])
+    xo = tile.dot_position(xk, True) if X_DOT else xk  # (each 128-wide step is padded with zeros)
 
     if SYNC_MMA:
         x_smem0 = 0  # unused placeholders: the activations stay in registers
@@ -289,18 +295,18 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
         w1, s1 = _load_w(w_rows, s_rows, wc, sg, k_lo + BLOCK_K, k_end, NFULL <= 1)
     if WAIT == _PREVIOUS_GRID:
         _grid_control("wait")
-    x0 = _load_x(x_rows, x_ok, xk, k_lo, k_end, NFULL == 0)
+    x0 = _load_x(x_rows, x_ok, xk, xo, k_lo, k_end, NFULL == 0)
     if NS > 1:
-        x1 = _load_x(x_rows, x_ok, xk, k_lo + BLOCK_K, k_end, NFULL <= 1)
+        x1 = _load_x(x_rows, x_ok, xk, xo, k_lo + BLOCK_K, k_end, NFULL <= 1)
     if ITER > 0:  # (a range loop's body is compiled even for 0 trips)
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
             acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
                                   SMALL_SCALES)
-            w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 2 * BLOCK_K, k_end, False)
+            w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, xo, k0 + 2 * BLOCK_K, k_end, False)
             acc, smax = _mma_step(acc, smax, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
                                   SMALL_SCALES)
-            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k0 + 3 * BLOCK_K, k_end, False)
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, xo, k0 + 3 * BLOCK_K, k_end, False)
     for j in gl.static_range(2 * ITER, NS):
         if j % 2 == 0:
             acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
@@ -313,7 +319,7 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
             s0 = s1
             x0 = x1
         if j + 2 < NS:
-            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, k_lo + (j + 2) * BLOCK_K, k_end,
+            w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, xo, k_lo + (j + 2) * BLOCK_K, k_end,
                                     j + 2 >= NFULL)
     return acc, smax
 
@@ -363,9 +369,9 @@ def _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn
              GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
              PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-             B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr):
+             B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr, X_DOT: gl.constexpr = False):
     """The program's K loop over expert ``e64``'s weight rows from ``n0``: :func:`_k_loop_x_row`
-    where ``XROW`` (per-pair blocks), else :func:`_k_loop`."""
+    where ``XROW`` (per-pair blocks), else :func:`_k_loop` (``X_DOT`` as there)."""
     w_rows, s_rows, wc, sg, tables = tile.weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
                                                       n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
     if XROW:
@@ -375,7 +381,7 @@ def _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn
     else:
         return _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo,
                        k_end, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L,
-                       SYNC_MMA, SMALL_SCALES)
+                       SYNC_MMA, SMALL_SCALES, X_DOT)
 
 
 @gluon.jit(noinline=True)
@@ -384,7 +390,7 @@ def _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64
                    GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
                    PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-                   B_L: gl.constexpr, MMA: gl.constexpr):
+                   B_L: gl.constexpr, MMA: gl.constexpr, X_DOT: gl.constexpr = False):
     """:func:`_k_loops` on mma.sync by the unpack exact for every scale, from a zero accumulator. A
     call, not inlined: inlined, the second loop kept addresses of the first alive (per-pair GEMM2
     at T=1, K split in 4: 80 -> 117 registers, 6 -> 4 programs per SM; called, 88)."""
@@ -392,8 +398,26 @@ def _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64
     acc, _ = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
                       stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr,
                       k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW, BLOCK_M,
-                      BLOCK_K, NI, WL, XL, A_L, B_L, True, False)
+                      BLOCK_K, NI, WL, XL, A_L, B_L, True, False, X_DOT)
     return acc
+
+
+@gluon.jit
+def exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am,
+               pairs_ptr, nrows, K: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
+               A_ROW_DIV: gl.constexpr):
+    """The ``[64, 8]`` float32 accumulator (mma.sync layout) of the 64 weight rows from ``n0``
+    (:func:`sm90_tile.weight_rows`) times the first 8 of the ``nrows`` activation rows of pairs
+    ``pairs_ptr[:8]``, stored as the warp-specialized kernel reads them (``X_DOT``), by the
+    unpack exact for every scale: that kernel's redo of a tile whose weights have a scale over 128."""
+    WL: gl.constexpr = tile.w_layout(1)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    return _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr,
+                          stride_am, pairs_ptr, 0, nrows, pairs_ptr, 0, K, GATED, GATE_STRIDE, K // _BLOCK_K,
+                          (K + _BLOCK_K - 1) // _BLOCK_K, A_ROW_DIV, False, 0, 0, 8, _BLOCK_K, 1, WL, _xb_layout(8, 1),
+                          A_L, B_L, MMA, True)
 
 
 @gluon.jit

@@ -6,8 +6,9 @@ the same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whos
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
 K permuted inside each 128-wide step. What differs is the data flow. A tile is 64 weight rows
 per consumer warpgroup (32 outputs of a gated GEMM), 192 rows with the three consumers, over
-blocks of up to :data:`BLOCK_M` activation rows (or :data:`SMALL_BLOCK_M`). The kernel is
-persistent: one program per SM takes tiles ``pid, pid + grid, ...`` and its ring runs on from
+blocks of up to :data:`BLOCK_M` activation rows (or :data:`SMALL_BLOCK_M`,
+:data:`TINY_BLOCK_M`). The kernel is persistent: one program per SM takes tiles
+``pid, pid + grid, ...`` and its ring runs on from
 tile to tile, so the producer copies the next tile's first steps while the consumers finish
 the last ones and run the epilogue (one program per tile, with the ring filled afresh each
 time: T=1024 1216 -> 1180 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). The
@@ -41,9 +42,16 @@ partitions:
   inputs are kept in the dot's K order: x by :func:`dot_order` (a ``[T, padded(H)]``
   temporary), the intermediate by GEMM1's epilogue (``DOT_ORDER_OUT``), each padded with
   zeros to a multiple of 128 columns.
-- A block's MMAs are only as wide as its rows need: 16 (in 64-row blocks), 32, 64, 64 + 32,
-  128 or 128 + 32 (the 32-wide MMA reuses the fragments, so up to 160 rows unpack the weights
-  once).
+- A block's MMAs are only as wide as its rows need: 16 (in 32- and 64-row blocks), 32, 64,
+  64 + 32, 128 or 128 + 32 (the 32-wide MMA reuses the fragments, so up to 160 rows unpack the
+  weights once).
+- In blocks of up to 64 rows (:func:`splits`) the consumers unpack by one multiply per output
+  (``sm90_tile.UNPACK_SPLIT_SMALL``: fewer ALU instructions, which those steps are bound by;
+  ncu at T=256, prmt unpack: 60 % of issue slots busy, the producer waiting on free slots),
+  exact while a scale is at most 128; a consumer whose tile met a larger one computes its rows
+  again by mma.sync and the exact unpack (``moe_sm90.exact_rows``), reading the activations
+  from the dot-ordered buffer. The activations follow that unpack's K order
+  (``sm90_tile.dot_position``'s ``SPLIT``).
 
 No split K, and no activation quantization inside: under it the caller quantize-dequantizes
 each GEMM's input while putting it in dot order (:func:`dot_order`), so GEMM1 then stores the
@@ -61,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from mxfx.backends.base import ActivationQuant, MoEWeights
-from mxfx.kernels import mx, ptx_hints, wgmma_guard
+from mxfx.kernels import moe_sm90, mx, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
 from mxfx.kernels.sm90_tile import epilogue, log2, tables_word, tile_row, unpack_a, w_layout, weight_rows
 
@@ -71,8 +79,10 @@ from mxfx.kernels.sm90_tile import epilogue, log2, tables_word, tile_row, unpack
 # full one. Random top-4 at T=4096 gives 128 ± 11 rows.)
 BLOCK_M = 160
 # Experts with few rows take blocks of at most this many (a narrower accumulator, fewer rows
-# copied for nothing).
+# copied for nothing), the fewest of 32 (TINY_BLOCK_M): their ring slots hold 32 activation rows,
+# not 64, so it has 9-10 slots rather than 6 (moe.WS_TINY_ROWS).
 SMALL_BLOCK_M = 64
+TINY_BLOCK_M = gl.constexpr(32)
 # One program per SM of four warpgroups, whatever the block: three consumers and the producer.
 # Registers at launch, the consumers', the producer's: 4 x 128 = 512 per thread across them,
 # so the default partition (the first consumer) gets what the others leave, 512 - 2 x 160 - 40
@@ -93,7 +103,9 @@ def _stages(block_m: int, gated: bool) -> int:
     blocks: GEMM1 (gated) 4 slots, 225 KB (T=4096 1914-1915 -> 1899-1904 µs against 3); GEMM2 3,
     with four it would need 232 KiB with its epilogue's scratch. 64-row blocks: 6, 189-205 KB
     (T=256 831-834 -> 821-823 µs against 4; T=4096 earlier: 3 slots 2840 against 4 2786, 5 2544
-    against 4 2526)."""
+    against 4 2526). 32-row blocks: 10 (221 KB), GEMM2 9 (217 KB)."""
+    if block_m <= TINY_BLOCK_M:
+        return 10 if gated else 9
     if block_m <= SMALL_BLOCK_M:
         return 6
     return 4 if gated else 3
@@ -170,36 +182,41 @@ def _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e6
 
 
 @gluon.jit
-def _steps(i0, n: gl.constexpr, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, empty, acc, acc2, tables,
-           K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, WH: gl.constexpr,
-           A_L: gl.constexpr, TWO: gl.constexpr):
+def _steps(i0, n: gl.constexpr, g, s_rows, sg, sc, smax, w_smem, w2_smem, x_smem, x2_smem, ready, empty, acc, acc2,
+           tables, K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, WH: gl.constexpr,
+           A_L: gl.constexpr, TWO: gl.constexpr, SPLIT: gl.constexpr):
     """K steps ``i0`` to ``i0 + n - 1`` (:func:`_step`), each issued while the one before's
     MMAs run; then every MMA waited for and the last step's slot freed. Returns the
-    accumulators and the next step's scales."""
+    accumulators, the next step's scales and, where ``SPLIT``, ``smax`` raised to the largest
+    scale the steps took."""
+    if SPLIT:
+        smax = gl.maximum(smax, sc)
     acc, acc2, f0, f1, sc = _step(i0, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2, tables,
-                                  K, G, MR, STAGES, WH, A_L, TWO)
+                                  K, G, MR, STAGES, WH, A_L, TWO, SPLIT)
     for j in gl.static_range(1, n):
+        if SPLIT:
+            smax = gl.maximum(smax, sc)
         acc, acc2, f0, f1, sc = _step(i0 + j, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2,
-                                      tables, K, G, MR, STAGES, WH, A_L, TWO, f0, f1, empty)
+                                      tables, K, G, MR, STAGES, WH, A_L, TWO, SPLIT, f0, f1, empty)
     if TWO:
         acc, acc2, f0, f1 = warpgroup_mma_wait(0, deps=[acc, acc2, f0, f1])
     else:
         acc, f0, f1 = warpgroup_mma_wait(0, deps=[acc, f0, f1])
     gl.thread_barrier()
     mbarrier.arrive(empty.index((g + i0 + n - 1) % STAGES))
-    return acc, acc2, sc
+    return acc, acc2, sc, smax
 
 
 @gluon.jit
 def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2, tables, K: gl.constexpr,
           G: gl.constexpr, MR: gl.constexpr, STAGES: gl.constexpr, WH: gl.constexpr, A_L: gl.constexpr,
-          TWO: gl.constexpr, p0=None, p1=None, empty=None):
-    """K step ``i`` of the ring (``g`` as in :func:`_produce`): its two halves unpacked and
-    their MMAs issued (``acc``, and ``acc2`` where ``TWO``), left in flight; returns the
-    halves' fragments and the next step's scales. ``p0``, ``p1``: the step before's fragments,
-    whose MMAs are still in flight: each is waited for just before this step's MMA of the same
-    half is issued (so that the step's unpack runs while they do), then ``empty`` frees the step
-    before's slot."""
+          TWO: gl.constexpr, SPLIT: gl.constexpr, p0=None, p1=None, empty=None):
+    """K step ``i`` of the ring (``g`` as in :func:`_produce`): its two halves unpacked (by
+    ``sm90_tile.UNPACK_SPLIT_SMALL`` where ``SPLIT``) and their MMAs issued (``acc``, and
+    ``acc2`` where ``TWO``), left in flight; returns the halves' fragments and the next step's
+    scales. ``p0``, ``p1``: the step before's fragments, whose MMAs are still in flight: each is
+    waited for just before this step's MMA of the same half is issued (so that the step's unpack
+    runs while they do), then ``empty`` frees the step before's slot."""
     s = (g + i) % STAGES
     mbarrier.wait(ready.index(s), ((g + i) // STAGES) & 1)
     fence_async_shared()
@@ -212,7 +229,8 @@ def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, ac
     w0, w1 = gl.split(gl.permute(w, [0, 1, 2, 4, 3]))
     x = x_smem.index(s).slice(0, MR)
     x2 = x2_smem.index(s)
-    f0 = unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+    f0 = unpack_a(gl.convert_layout(w0, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L, SPLIT,
+                  SPLIT)
     if p0 is not None:  # the step before's first half retires, its second stays in flight
         if TWO:
             acc, acc2, p0 = warpgroup_mma_wait(2, deps=[acc, acc2, p0])
@@ -221,7 +239,8 @@ def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, ac
     acc = warpgroup_mma(f0, x.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
     if TWO:
         acc2 = warpgroup_mma(f0, x2.slice(0, 64, dim=1).permute((1, 0)), acc2, is_async=True)
-    f1 = unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L)
+    f1 = unpack_a(gl.convert_layout(w1, gl.SliceLayout(4, WH), assert_trivial=True), sc, tables, 64, 64, WH, A_L, SPLIT,
+                  SPLIT)
     if p0 is not None:  # then its second: once every warp is past the wait, its slot is free
         if TWO:
             acc, acc2, p1 = warpgroup_mma_wait(2, deps=[acc, acc2, p1])
@@ -236,16 +255,20 @@ def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, ac
 
 
 @gluon.jit
-def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-             stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os,
-             stride_om, N, up_offset, alpha, beta, limit, K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr,
-             MR2: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr,
-             HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
-             STEPS_PER_WAIT: gl.constexpr):
+def _consume(tile, K: gl.constexpr, A_ROW_DIV: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, MR2: gl.constexpr,
+             STAGES: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+             HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
+             STEPS_PER_WAIT: gl.constexpr, SPLIT: gl.constexpr):
     """Warpgroup ``G``'s K loop over the ring (its 64 of the slot's weight rows) and the
-    epilogue of its tile of the block whose pairs start at ``pairs_ptr`` (``MR`` rows, and
-    ``MR2`` more from ``x2_smem`` by a second MMA on the same fragments); ``g`` as in
-    :func:`_produce`."""
+    epilogue of its tile (``tile``: the runtime values :func:`_consumer` gathers) of the block
+    whose pairs start at ``pairs_ptr`` (``MR`` rows, and ``MR2`` more from ``x2_smem`` by a
+    second MMA on the same fragments); ``g`` as in :func:`_produce`. ``SPLIT``: unpacked by the
+    multiply exact for scales up to 128; where the tile's weights have a larger one, its rows
+    are computed again from ``a_ptr`` (the activations as :func:`dot_order` stores them) by
+    ``moe_sm90.exact_rows``, 8 at a time."""
+    (x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+     stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
+     up_offset, alpha, beta, limit) = tile
     NS: gl.constexpr = (K + 127) // 128
     WL: gl.constexpr = w_layout(1, 4)
     WH: gl.constexpr = w_layout(1, 4, 2)  # the words of half a step
@@ -267,6 +290,7 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
                         layout=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, MR2, 16]))
     # The scales (a byte per row and segment) come from global memory, one step ahead.
     sc = gl.load(s_rows + sg, mask=sg < K // 32, other=127)
+    smax = sc  # the largest scale the loop met (where SPLIT)
     TWO: gl.constexpr = MR2 > 0  # a second MMA on each fragment
     if not TWO:
         acc2 = acc  # (a placeholder, never multiplied into)
@@ -275,18 +299,32 @@ def _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we
     # loop's back edge: ptxas serializes every wgmma, C7512, even at 232 registers; a group
     # per iteration keeps them inside.)
     for ig in range(NS // STEPS_PER_WAIT):
-        acc, acc2, sc = _steps(STEPS_PER_WAIT * ig, STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem,
-                               ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
+        acc, acc2, sc, smax = _steps(STEPS_PER_WAIT * ig, STEPS_PER_WAIT, g, s_rows, sg, sc, smax, w_smem, w2_smem,
+                                     x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO,
+                                     SPLIT)
     if NS % STEPS_PER_WAIT:
-        acc, acc2, sc = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, w_smem, w2_smem,
-                               x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH, A_L, TWO)
-    epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-             stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-             ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT)
-    if MR2 > 0:
-        epilogue(acc2, 0, nrows - MR, n0, 0, e64, pairs_ptr + MR, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+        acc, acc2, sc, smax = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, smax, w_smem,
+                                     w2_smem, x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH,
+                                     A_L, TWO, SPLIT)
+    if SPLIT:  # (as moe_sm90's mma.sync loops check; the redo reads the weights again per 8 rows)
+        redo = gl.max(gl.max(gl.max(smax.to(gl.int32), 2), 1), 0) > 128
+    else:
+        redo: gl.constexpr = False
+    if redo:
+        for r0 in range(0, nrows, 8):
+            acc8 = moe_sm90.exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                                       a_ptr, stride_am, pairs_ptr + r0, nrows - r0, K, GATED, GATE_STRIDE, A_ROW_DIV)
+            epilogue(acc8, 0, nrows - r0, n0, 0, e64, pairs_ptr + r0, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+                     stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                     ROUTE_WEIGHT, 8, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
+    else:
+        epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                  stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-                 ROUTE_WEIGHT, MR2, 64, DOT_ORDER_OUT)
+                 ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
+        if MR2 > 0:
+            epilogue(acc2, 0, nrows - MR, n0, 0, e64, pairs_ptr + MR, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+                     stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                     ROUTE_WEIGHT, MR2, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
 
 
 @gluon.jit
@@ -307,7 +345,7 @@ def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_e
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
                          x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 16, 0,
                          ROWS, STAGES)
-            elif nrows <= 32:
+            elif BLOCK_M <= TINY_BLOCK_M or nrows <= 32:  # (static for 32-row blocks)
                 _produce(a_ptr, stride_am, w_ptr, stride_we, stride_wn, pairs_ptr, nrows, e64, n0, N, up_offset,
                          x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, K, A_ROW_DIV, GATED, GATE_STRIDE, 32, 0,
                          ROWS, STAGES)
@@ -331,12 +369,12 @@ def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_e
 
 
 @gluon.jit
-def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-              block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
-              K: gl.constexpr, NC: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-              GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-              ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, G: gl.constexpr):
+def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr,
+              stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+              stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
+              K: gl.constexpr, A_ROW_DIV: gl.constexpr, NC: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+              ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, SPLIT: gl.constexpr, G: gl.constexpr):
     NS: gl.constexpr = (K + 127) // 128
     EXTRA: gl.constexpr = BLOCK_M - 128
     # Pairs (see CONSUMERS) only where the K loop runs more than once: with one iteration of a
@@ -347,41 +385,31 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, 
         blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, (32 if GATED else 64) * NC)
         if expert >= 0:
             e64 = expert.to(gl.int64)
-            pairs_ptr = sorted_ptr + blk * BLOCK_M
             # MMAs only as wide as the block's rows (often an expert's last block holds a few):
             # T=4096 2786 -> 2575 µs with halves, 2557 -> 2490 with quarters too; T=2048 1537 ->
             # 1481 with 64 + 32 rather than 128; T=512 914-917 -> 878-881 with 16 in 64-row
             # blocks (in 160-row ones it would change the code of the wider MMAs, unmeasured).
+            tile = (x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                    s_ptr, stride_se, stride_sn, nrows, n0, e64, sorted_ptr + blk * BLOCK_M, bias_ptr, stride_be,
+                    stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit)
             if BLOCK_M <= 64 and nrows <= 16:
-                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
-                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 16, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
-            elif nrows <= 32:
-                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
-                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 32, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
+                _consume(tile, K, A_ROW_DIV, G, 16, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, STEPS, SPLIT)
+            elif BLOCK_M <= TINY_BLOCK_M or nrows <= 32:  # (static for 32-row blocks)
+                _consume(tile, K, A_ROW_DIV, G, 32, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, STEPS, SPLIT)
             elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
-                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
-                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
+                _consume(tile, K, A_ROW_DIV, G, 64, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, STEPS, SPLIT)
             elif nrows <= 96:
-                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
-                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 64, EXTRA, STAGES,
-                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
+                _consume(tile, K, A_ROW_DIV, G, 64, EXTRA, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                         ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS, SPLIT)
             elif nrows <= 128:
-                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
-                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, 0, STAGES, GATED,
-                         GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
+                _consume(tile, K, A_ROW_DIV, G, 128, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, STEPS, SPLIT)
             else:
-                _consume(x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, w_ptr, stride_we, stride_wn, s_ptr,
-                         stride_se, stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
-                         out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, G, 128, EXTRA, STAGES,
-                         GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS)
+                _consume(tile, K, A_ROW_DIV, G, 128, EXTRA, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                         ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS, SPLIT)
             g += NS
 
 
@@ -407,6 +435,7 @@ def _moe_gemm_sm90_ws(
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
     DOT_ORDER_OUT: gl.constexpr,
+    SPLIT: gl.constexpr,
     NC: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -416,7 +445,8 @@ def _moe_gemm_sm90_ws(
     # strides, checked by the caller.
     gl.static_assert(K % 32 == 0)
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
-    gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 160))  # the rows the MMA widths cover (SMALL_BLOCK_M, BLOCK_M)
+    # The rows the MMA widths cover (TINY_BLOCK_M, SMALL_BLOCK_M, BLOCK_M).
+    gl.static_assert((BLOCK_M == TINY_BLOCK_M) | (BLOCK_M == 64) | (BLOCK_M == 160))
     gl.static_assert(NC == 3)  # the partition list below
     # ptx_hints adds the qualifier to copies and loads after compilation; as a parameter it keys
     # the binary caches.
@@ -441,18 +471,21 @@ def _moe_gemm_sm90_ws(
         mbarrier.init(ready.index(i), count=128)  # every producer thread's copies
         mbarrier.init(empty.index(i), count=NC)  # each consumer warpgroup's MMA
     gl.warp_specialize([
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                     stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                     stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                     BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 0)),
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                     stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                     stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                     BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 1)),
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-                     stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-                     stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K, NC,
-                     BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, DOT_ORDER_OUT, 2)),
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                     s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
+                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K,
+                     A_ROW_DIV, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                     DOT_ORDER_OUT, SPLIT, 0)),
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                     s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
+                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K,
+                     A_ROW_DIV, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                     DOT_ORDER_OUT, SPLIT, 1)),
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                     s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
+                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K,
+                     A_ROW_DIV, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                     DOT_ORDER_OUT, SPLIT, 2)),
         (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
                      num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
                      GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
@@ -461,7 +494,7 @@ def _moe_gemm_sm90_ws(
 
 @triton.jit
 def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
-                      ROUNDING: tl.constexpr):
+                      ROUNDING: tl.constexpr, SPLIT: tl.constexpr):
     """Rows ``BLOCK_R * program_id(0) + [0, BLOCK_R)``, 128-wide step ``program_id(1)`` of
     :func:`dot_order`."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -472,7 +505,9 @@ def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.co
     if FMT != 0:  # the 32-blocks are contiguous in natural order, not in the dot's
         v = mx.qdq(v, FMT, ROUNDING, BLOCK_R, 128)
     # K offset 32c + 8j + 4b1 + 2b0 + e of a step goes to 32j + 16b1 + 8b0 + 2c + e
-    # (moe_sm90._dot_position: lane c's bytes 4j + 2b1 + b0, nibble e).
+    # (sm90_tile.dot_position: lane c's bytes 4j + 2b1 + b0, nibble e; SPLIT as there).
+    if SPLIT:
+        k = k - k % 8 + 2 * (k % 4) + (k % 8) // 4
     p = 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + (tl.program_id(1) * 128 + p)[None, :], v, mask=r_ok)
 
@@ -483,14 +518,26 @@ wgmma_guard.guard("_moe_gemm_sm90_ws")
 _DOT_ORDER = Launcher(_dot_order_kernel)
 
 
+def splits(block_m: int) -> bool:
+    """Whether the kernel's blocks of ``block_m`` rows unpack the weights by one multiply per
+    output (``sm90_tile.UNPACK_SPLIT_SMALL``, the activations in its order): in blocks of up to
+    64 rows, where the unpack's instructions are most of a step's (H200, graph µs, gpt-oss-120b, min-max of 2 alternating processes, by prmt / split:
+    T=256 760.8-761.1 / 699.7-700.0, T=512 818.1-838.8 / 767.2-768.2, T=1024 999.7-1010.1 /
+    957.3-958.1; MiniMax-M3 T=256 1578.5-1609.6 / 1461.3-1465.4; Qwen3-30B-A3B T=256 188.0-190.3 /
+    178.6-178.8; Mixtral-8x7B T=64 393.1-395.7 / 354.3-355.1), not in 160-row blocks, where the
+    MMAs are (T=4096 1920.2-1935.0 / 1949.5-1961.3)."""
+    return block_m <= SMALL_BLOCK_M
+
+
 def padded(k: int) -> int:
     """Columns of a dot-ordered buffer for K = ``k``: the next multiple of 128."""
     return -(-k // 128) * 128
 
 
-def dot_order(x: torch.Tensor, aq: ActivationQuant = ActivationQuant()) -> torch.Tensor:
+def dot_order(x: torch.Tensor, block_m: int, aq: ActivationQuant = ActivationQuant()) -> torch.Tensor:
     """``x [M, K]`` (unit column stride) → ``[M, padded(K)]`` in the dot's K order of each
-    128-wide step, zeros past K: the activations :func:`_moe_gemm_sm90_ws` reads. Under
+    128-wide step, zeros past K: the activations :func:`_moe_gemm_sm90_ws` reads in blocks of
+    ``block_m`` rows (the order of its unpack there, :func:`splits`). Under
     activation quantization (``aq``; K a multiple of 32) each 32-block is quantize-dequantized
     on the way, as :func:`mxfx.kernels.mx.quantize_dequantize` does it."""
     M, K = x.shape
@@ -498,7 +545,8 @@ def dot_order(x: torch.Tensor, aq: ActivationQuant = ActivationQuant()) -> torch
     if M:
         _DOT_ORDER[(cdiv(M, 16), padded(K) // 128)](x, out, M, K, x.stride(0), out.stride(0), BLOCK_R=16,
                                                      FMT=mx.FMT_CODES[aq.fmt],
-                                                     ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding], num_warps=4)
+                                                     ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
+                                                     SPLIT=splits(block_m), num_warps=4)
     return out
 
 
@@ -521,5 +569,5 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * CONSUMERS)
     GEMM_SM90_WS[(min(num_tiles, num_sms(args[0].device)),)](
         *args, num_tiles, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
-        DOT_ORDER_OUT=dot_order_out, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS,
-        L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
+        DOT_ORDER_OUT=dot_order_out, SPLIT=splits(block_m), NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS,
+        PRODUCER_REGS=_PRODUCER_REGS, L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)

@@ -232,11 +232,16 @@ def tables_word(wrow):
 
 
 @gluon.jit
-def dot_position(n):
+def dot_position(n, SPLIT: gl.constexpr = False):
     """Where natural K offset ``n`` sits in the dot's order of its 128-wide step (see
-    :func:`to_dot_order`): k = 128i + 32c + 8j + 4b1 + 2b0 + e → 128i + 32j + 16b1 + 8b0 + 2c + e."""
+    :func:`to_dot_order`): k = 128i + 32c + 8j + 4b1 + 2b0 + e → 128i + 32j + 16b1 + 8b0 + 2c + e.
+    ``SPLIT``: in the order of :data:`UNPACK_SPLIT`'s values, which places value v of a word
+    (k = 128i + 32c + 8j + v) where the other unpack places value 2(v % 4) + v // 4 (see
+    :func:`split_order`)."""
     k = n % 128
-    return n - k + 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
+    if SPLIT:
+        k = k - k % 8 + 2 * (k % 4) + (k % 8) // 4
+    return n - n % 128 + 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
 
 
 @gluon.jit
@@ -244,11 +249,12 @@ def epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stri
               out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
               GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
               ROUTE_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
-              PER_PAIR: gl.constexpr = False, AQ: gl.constexpr = 0, AQ_ROUNDING: gl.constexpr = 0):
+              PER_PAIR: gl.constexpr = False, AQ: gl.constexpr = 0, AQ_ROUNDING: gl.constexpr = 0,
+              SPLIT: gl.constexpr = False):
     """Bias, gated activation, routing weight and the store of the ``[ROWS, BLOCK_M]``
     accumulator, in a plain layout: ``[BLOCK_N, BLOCK_M]``, a warp's lanes along N.
-    ``DOT_ORDER_OUT``: columns stored at :func:`dot_position` and the row's padding up to a
-    multiple of 128 zeroed, the layout
+    ``DOT_ORDER_OUT``: columns stored at :func:`dot_position` (``SPLIT`` as there) and the
+    row's padding up to a multiple of 128 zeroed, the layout
     :func:`mxfx.kernels.moe_sm90_ws._moe_gemm_sm90_ws` reads. ``PER_PAIR``: block ``blk`` is
     pair ``blk`` alone (``mxfx.kernels.routing.per_pair``). ``AQ``, ``AQ_ROUNDING``: the output,
     rounded to its dtype, quantize-dequantized as :func:`mxfx.kernels.mx.qdq` does it (a gated
@@ -296,13 +302,13 @@ def epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stri
         # Columns N up to the next multiple of 128 are zeros (the next GEMM's K padding): this
         # tile's own past N, and the last tile writes those after it.
         NP = (N + 127) // 128 * 128
-        gl.store(rows + gl.expand_dims(dot_position(n), 1),
+        gl.store(rows + gl.expand_dims(dot_position(n, SPLIT), 1),
                  gl.where(gl.expand_dims(n_ok, 1), res, 0.0).to(out_ptr.dtype.element_ty),
                  mask=gl.expand_dims(m_ok, 0) & gl.expand_dims(n < NP, 1))
         if n0 + BLOCK_N >= N:
             for z0 in range(n0 + BLOCK_N, NP, BLOCK_N):
                 z = z0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
-                gl.store(rows + gl.expand_dims(dot_position(z), 1), gl.zeros_like(res).to(out_ptr.dtype.element_ty),
-                         mask=gl.expand_dims(m_ok, 0))
+                gl.store(rows + gl.expand_dims(dot_position(z, SPLIT), 1),
+                         gl.zeros_like(res).to(out_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok, 0))
     else:
         gl.store(rows + gl.expand_dims(n, 1), res.to(out_ptr.dtype.element_ty), mask=mask)

@@ -353,7 +353,8 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
         (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 160),  # halves layout, K tail 96
         (70, 2, 224, 160, 2, SILU_AND_MUL, 160),  # no limit; K = 224, 160: two steps, tails of 96 and 32
         (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64),  # E = 1: 40 rows in one block
-        (14, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # 7 rows per expert: 16-wide MMAs
+        (14, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 32),  # 7 rows per expert: 16-wide MMAs
+        (44, 4, 2880, 352, 2, GPT_OSS, 32),  # 22 rows per expert: 32-row blocks, 16- and 32-wide MMAs
         (600, 4, 2880, 352, 1, GPT_OSS, 160),  # every token on expert 0
         (144, 4, 2880, 352, 1, GPT_OSS, 64),  # all on expert 0 in 64-row blocks: 64-, 64- and 16-wide MMAs
         (130, 8, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # ~32 rows per expert: 32- and 64-wide
@@ -363,7 +364,8 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
 )
 def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, block_m):
     """On Hopper, bf16 MXFP4 above 6 rows per expert runs :mod:`mxfx.kernels.moe_sm90_ws`
-    (64-row blocks up to 56 rows per expert, 160-row blocks past) for both GEMMs of the fused
+    (32-row blocks up to 24 rows per expert, 64-row blocks up to 56, 160-row blocks past; up to
+    64 rows the unpack by one multiply, in its K order) for both GEMMs of the fused
     backend, on dot-ordered inputs (quantize-dequantized on the way under A8), as does the
     unfused backend, and matches emulation with NaN-poisoned padding around every input.
     Weights not readable as words and rows not 16 bytes apart take the other kernels."""
@@ -375,7 +377,9 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
         monkeypatch.setattr(replayer, "_plans", {})
     calls = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
-    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"]) for m in calls] == [(block_m, True), (block_m, False)]
+    split = block_m <= 64
+    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"], m["SPLIT"]) for m in calls] == [(block_m, True, split),
+                                                                              (block_m, False, split)]
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4,
            aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
@@ -535,21 +539,26 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     assert not gemms  # per pair: both GEMMs in one launch
 
 
-@pytest.mark.parametrize("path", ["per pair, one launch", "per pair, graph", "8-row blocks"])
-def test_mma_sync_scales_over_128_are_exact(monkeypatch, path):
-    """The mma.sync loops unpack by one multiply that is exact only for scales up to 128
-    (``sm90_tile.UNPACK_SPLIT_SMALL``); a program whose weights have a larger scale runs its loop
-    again by the exact unpack. Expert 0's GEMM1 weights have large blocks in every row (every
-    GEMM1 program of it redoes), expert 1's GEMM2 weights in 4 rows (one program redoes): every
-    token's output matches emulation, the tokens routed there and the others."""
-    from mxfx.kernels import moe_sm90
+@pytest.mark.parametrize("path", ["per pair, one launch", "per pair, graph", "8-row blocks", "ws 32-row blocks",
+                                  "ws 64-row blocks", "ws 160-row blocks"])
+def test_scales_over_128_are_exact(monkeypatch, path):
+    """The mma.sync loops, and the warp-specialized kernel's blocks of up to 64 rows, unpack by
+    one multiply that is exact only for scales up to 128 (``sm90_tile.UNPACK_SPLIT_SMALL``); a
+    program (a consumer's tile) whose weights have a larger scale computes its rows again by
+    the exact unpack (in the warp-specialized kernel by ``moe_sm90.exact_rows``, from the
+    dot-ordered activations). Expert 0's GEMM1 weights have large blocks in every row (every
+    GEMM1 tile of it redoes), expert 1's GEMM2 weights in 4 rows (one tile redoes): every
+    token's output matches emulation, the tokens routed there and the others. 160-row blocks
+    unpack exactly in the first place."""
+    from mxfx.kernels import moe_sm90, moe_sm90_ws
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
     for replayer in (moe._FUSED, moe._UNFUSED):
         monkeypatch.setattr(replayer, "_plans", {})
     E, H, I, k = 8, 512, 384, 4
-    T = 8 if path == "8-row blocks" else 1
+    block_m = {"ws 32-row blocks": 32, "ws 64-row blocks": 64, "ws 160-row blocks": 160}.get(path)
+    T = {"8-row blocks": 8, "ws 32-row blocks": 40, "ws 64-row blocks": 96, "ws 160-row blocks": 400}.get(path, 1)
     if path == "8-row blocks":
         monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)
     g = _gen(3)
@@ -565,13 +574,15 @@ def test_mma_sync_scales_over_128_are_exact(monkeypatch, path):
     x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=5)
     ids[0] = torch.tensor([0, 1, 2, 3], dtype=ids.dtype)
     gemms, in_one = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_sm90.PER_PAIR_SM90)
+    ws = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
     if path == "per pair, graph":
         monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)  # as under capture: two launches
     out = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     launched = [(m["SYNC_MMA"], m["PER_PAIR_E"]) for m in gemms]
     assert launched == {"per pair, one launch": [], "per pair, graph": [(True, E)] * 2,
-                        "8-row blocks": [(True, 0)] * 2}[path] and len(in_one) == (path == "per pair, one launch")
+                        "8-row blocks": [(True, 0)] * 2}.get(path, []) and len(in_one) == (path == "per pair, one launch")
+    assert [(m["BLOCK_M"], m["SPLIT"]) for m in ws] == ([(block_m, block_m <= 64)] * 2 if block_m else [])
     assert not out.isnan().any() and out[0].abs().max() > 1e3
     errors = [_rel_err(out[t], ref[t]) for t in range(T) if ref[t].any()]
     assert max(errors) <= 5e-3, errors
