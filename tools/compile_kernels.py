@@ -99,7 +99,8 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     mx.native_scaled_mma = lambda device: native
     try:
         E, k = 4, 2
-        # T = 1, 14, 80, 200 at E=4, k=2: the four tile regimes of pick_config on Hopper.
+        # T = 1, 14, 80, 200 at E=4, k=2: pick_config's tiles on Hopper (per-pair blocks, then the
+        # warp-specialized kernel's 32-, 64- and 160-row blocks).
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for quantized in (True, False):
                 w = _weights(E, H, I, dtype, quantized)

@@ -521,7 +521,7 @@ def _program(
                          NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA,
                          SYNC_MMA)
     if SYNC_MMA:
-        if gl.max(gl.max(gl.max(smax.to(gl.int32), 2), 1), 0) > 128:
+        if tile.over_small_scales(smax):
             acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
                                  a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
                                  NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,

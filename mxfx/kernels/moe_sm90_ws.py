@@ -71,7 +71,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_sm90, mx, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
-from mxfx.kernels.sm90_tile import epilogue, log2, tables_word, tile_row, unpack_a, w_layout, weight_rows
+from mxfx.kernels.sm90_tile import (epilogue, log2, over_small_scales, tables_word, tile_row, unpack_a, w_layout,
+                                    weight_rows)
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
 # expert with up to 160 rows unpacks its weights once. (gpt-oss-120b, H200, 128-row blocks:
@@ -306,8 +307,8 @@ def _consume(tile, K: gl.constexpr, A_ROW_DIV: gl.constexpr, G: gl.constexpr, MR
         acc, acc2, sc, smax = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, smax, w_smem,
                                      w2_smem, x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH,
                                      A_L, TWO, SPLIT)
-    if SPLIT:  # (as moe_sm90's mma.sync loops check; the redo reads the weights again per 8 rows)
-        redo = gl.max(gl.max(gl.max(smax.to(gl.int32), 2), 1), 0) > 128
+    if SPLIT:  # (the redo reads the weights again per 8 rows)
+        redo = over_small_scales(smax)
     else:
         redo: gl.constexpr = False
     if redo:

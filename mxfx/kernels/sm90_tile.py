@@ -106,6 +106,13 @@ _UNPACK_SPLIT_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
 _UNPACK_SPLIT_SMALL_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
 
+@gluon.jit
+def over_small_scales(smax):
+    """Whether the largest of the scales ``smax`` (uint8, 3-D) is over 128, past which
+    :data:`UNPACK_SPLIT_SMALL` is wrong: the caller computes those weights again the exact way."""
+    return gl.max(gl.max(gl.max(smax.to(gl.int32), 2), 1), 0) > 128
+
+
 @gluon.constexpr_function
 def log2(n):
     assert n & (n - 1) == 0, n
