@@ -187,7 +187,7 @@ def _sass(cubin: bytes) -> list:
 def _opcodes(sass: list) -> list:
     """The opcode (with its modifiers, without its predicate) of each instruction line."""
     return [re.sub(r"^@!?U?P[T0-9]\s+", "", re.sub(r"^.*?\*/\s*", "", line).strip()).split()[0]
-            for line in sass if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+            for line in sass if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
 
 
 def grid_control(cubin: bytes) -> dict:

@@ -367,7 +367,9 @@ def fused_moe(
     under activation quantization the
     quantize-dequantized ``x``; in the warp-specialized kernel ``x`` dot-ordered and both it
     and the intermediate padded to a multiple of 128 columns (under activation quantization
-    the intermediate twice: as GEMM1 stores it, and dot-ordered). Replayed from a launch plan
+    the intermediate twice: as GEMM1 stores it, and dot-ordered), and in its blocks of up to 64
+    rows 3 int32 words per tile of each GEMM (whether it met a scale over 128).
+    Replayed from a launch plan
     (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
     """
     w = weights

@@ -31,8 +31,9 @@ runs and wait for it by ``griddepcontrol.wait`` once their first weight loads ar
 grouped blocks GEMM1 is launched by PDL too, after the routing kernels, and waits for them
 before it reads the routing.
 
-:func:`exact_rows` is the exact unpack's K loop over 8 rows, for the warp-specialized kernel to
-compute again the rows of a tile whose weights have a scale over 128.
+:func:`exact_rows` is the exact unpack's K loop over 8 rows, with which
+``moe_sm90_ws._redo`` computes again the warp-specialized kernel's tiles whose weights
+have a scale over 128.
 
 :func:`_moe_per_pair_sm90` runs a per-pair call's two GEMMs (and its k-sum) as one launch, the
 second GEMM's programs waiting on counters for the first's: one launch's host time in an eager
@@ -409,7 +410,7 @@ def exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0
     """The ``[64, 8]`` float32 accumulator (mma.sync layout) of the 64 weight rows from ``n0``
     (:func:`sm90_tile.weight_rows`) times the first 8 of the ``nrows`` activation rows of pairs
     ``pairs_ptr[:8]``, stored as the warp-specialized kernel reads them (``X_DOT``), by the
-    unpack exact for every scale: that kernel's redo of a tile whose weights have a scale over 128."""
+    unpack exact for every scale (``moe_sm90_ws._redo``)."""
     WL: gl.constexpr = tile.w_layout(1)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)

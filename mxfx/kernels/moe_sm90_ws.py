@@ -48,10 +48,13 @@ partitions:
 - In blocks of up to 64 rows (:func:`splits`) the consumers unpack by one multiply per output
   (``sm90_tile.UNPACK_SPLIT_SMALL``: fewer ALU instructions, which those steps are bound by;
   ncu at T=256, prmt unpack: 60 % of issue slots busy, the producer waiting on free slots),
-  exact while a scale is at most 128; a consumer whose tile met a larger one computes its rows
-  again by mma.sync and the exact unpack (``moe_sm90.exact_rows``), reading the activations
-  from the dot-ordered buffer. The activations follow that unpack's K order
-  (``sm90_tile.dot_position``'s ``SPLIT``).
+  exact while a scale is at most 128. Each consumer flags its tiles that met a larger one
+  (weights whose 32-blocks reach 12 to 16 in magnitude; none in the bench's), and after the
+  partitions join each program computes those again (:func:`_redo`) by mma.sync and the exact
+  unpack. Kept out of the consumers, the exact path costs their loop nothing (inside it, it
+  added register spills and made the kernel 6-11 % slower; a launch of its own after each
+  GEMM timed the same as after the join: tools/PERF_LOG.md, sessions 29-30). The activations
+  follow that unpack's K order (``sm90_tile.dot_position``'s ``SPLIT``).
 
 No split K, and no activation quantization inside: under it the caller quantize-dequantizes
 each GEMM's input while putting it in dot order (:func:`dot_order`), so GEMM1 then stores the
@@ -71,8 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_sm90, mx, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
-from mxfx.kernels.sm90_tile import (epilogue, log2, over_small_scales, tables_word, tile_row, unpack_a, w_layout,
-                                    weight_rows)
+from mxfx.kernels.sm90_tile import epilogue, log2, tables_word, tile_row, unpack_a, w_layout, weight_rows
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
 # expert with up to 160 rows unpacks its weights once. (gpt-oss-120b, H200, 128-row blocks:
@@ -190,15 +192,19 @@ def _steps(i0, n: gl.constexpr, g, s_rows, sg, sc, smax, w_smem, w2_smem, x_smem
     MMAs run; then every MMA waited for and the last step's slot freed. Returns the
     accumulators, the next step's scales and, where ``SPLIT``, ``smax`` raised to the largest
     scale the steps took."""
-    if SPLIT:
-        smax = gl.maximum(smax, sc)
+    # (smax takes a step's scales after the step has waited for them: taken before the step's
+    # barrier wait, the tile's first scales stalled every tile's start on their load)
+    s = sc
     acc, acc2, f0, f1, sc = _step(i0, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2, tables,
                                   K, G, MR, STAGES, WH, A_L, TWO, SPLIT)
+    if SPLIT:
+        smax = gl.maximum(smax, s)
     for j in gl.static_range(1, n):
-        if SPLIT:
-            smax = gl.maximum(smax, sc)
+        s = sc
         acc, acc2, f0, f1, sc = _step(i0 + j, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, acc2,
                                       tables, K, G, MR, STAGES, WH, A_L, TWO, SPLIT, f0, f1, empty)
+        if SPLIT:
+            smax = gl.maximum(smax, s)
     if TWO:
         acc, acc2, f0, f1 = warpgroup_mma_wait(0, deps=[acc, acc2, f0, f1])
     else:
@@ -256,18 +262,17 @@ def _step(i, g, s_rows, sg, sc, w_smem, w2_smem, x_smem, x2_smem, ready, acc, ac
 
 
 @gluon.jit
-def _consume(tile, K: gl.constexpr, A_ROW_DIV: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, MR2: gl.constexpr,
-             STAGES: gl.constexpr, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr,
-             HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
-             STEPS_PER_WAIT: gl.constexpr, SPLIT: gl.constexpr):
+def _consume(tile, K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, MR2: gl.constexpr, STAGES: gl.constexpr,
+             GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+             ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, STEPS_PER_WAIT: gl.constexpr,
+             SPLIT: gl.constexpr):
     """Warpgroup ``G``'s K loop over the ring (its 64 of the slot's weight rows) and the
     epilogue of its tile (``tile``: the runtime values :func:`_consumer` gathers) of the block
     whose pairs start at ``pairs_ptr`` (``MR`` rows, and ``MR2`` more from ``x2_smem`` by a
     second MMA on the same fragments); ``g`` as in :func:`_produce`. ``SPLIT``: unpacked by the
-    multiply exact for scales up to 128; where the tile's weights have a larger one, its rows
-    are computed again from ``a_ptr`` (the activations as :func:`dot_order` stores them) by
-    ``moe_sm90.exact_rows``, 8 at a time."""
-    (x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+    multiply exact for scales up to 128; ``flags_ptr[G]`` is left over 128 where the tile met a
+    larger scale (for :func:`_redo`), 0 elsewhere."""
+    (x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, flags_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
      stride_sn, nrows, n0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N,
      up_offset, alpha, beta, limit) = tile
     NS: gl.constexpr = (K + 127) // 128
@@ -291,7 +296,10 @@ def _consume(tile, K: gl.constexpr, A_ROW_DIV: gl.constexpr, G: gl.constexpr, MR
                         layout=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, MR2, 16]))
     # The scales (a byte per row and segment) come from global memory, one step ahead.
     sc = gl.load(s_rows + sg, mask=sg < K // 32, other=127)
-    smax = sc  # the largest scale the loop met (where SPLIT)
+    smax = gl.zeros_like(sc)  # the largest scale the loop met (where SPLIT)
+    if SPLIT:
+        # (ordered before the threads' stores below by the steps' barriers)
+        gl.store(flags_ptr + G, 0)
     TWO: gl.constexpr = MR2 > 0  # a second MMA on each fragment
     if not TWO:
         acc2 = acc  # (a placeholder, never multiplied into)
@@ -307,25 +315,16 @@ def _consume(tile, K: gl.constexpr, A_ROW_DIV: gl.constexpr, G: gl.constexpr, MR
         acc, acc2, sc, smax = _steps(NS - NS % STEPS_PER_WAIT, NS % STEPS_PER_WAIT, g, s_rows, sg, sc, smax, w_smem,
                                      w2_smem, x_smem, x2_smem, ready, empty, acc, acc2, tables, K, G, MR, STAGES, WH,
                                      A_L, TWO, SPLIT)
-    if SPLIT:  # (the redo reads the weights again per 8 rows)
-        redo = over_small_scales(smax)
-    else:
-        redo: gl.constexpr = False
-    if redo:
-        for r0 in range(0, nrows, 8):
-            acc8 = moe_sm90.exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
-                                       a_ptr, stride_am, pairs_ptr + r0, nrows - r0, K, GATED, GATE_STRIDE, A_ROW_DIV)
-            epilogue(acc8, 0, nrows - r0, n0, 0, e64, pairs_ptr + r0, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                     stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-                     ROUTE_WEIGHT, 8, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
-    else:
-        epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+    if SPLIT:
+        # Each thread whose scales went past 128, without a reduction: the flag is any of them.
+        gl.store(flags_ptr + G + gl.zeros_like(smax.to(gl.int32)), smax.to(gl.int32), mask=smax > 128)
+    epilogue(acc, 0, nrows, n0, 0, e64, pairs_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
+             stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+             ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
+    if MR2 > 0:
+        epilogue(acc2, 0, nrows - MR, n0, 0, e64, pairs_ptr + MR, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                  stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-                 ROUTE_WEIGHT, MR, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
-        if MR2 > 0:
-            epilogue(acc2, 0, nrows - MR, n0, 0, e64, pairs_ptr + MR, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
-                     stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-                     ROUTE_WEIGHT, MR2, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
+                 ROUTE_WEIGHT, MR2, 64, DOT_ORDER_OUT, SPLIT=SPLIT)
 
 
 @gluon.jit
@@ -370,10 +369,10 @@ def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_e
 
 
 @gluon.jit
-def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr,
+def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn, s_ptr,
               stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
               stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
-              K: gl.constexpr, A_ROW_DIV: gl.constexpr, NC: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              K: gl.constexpr, NC: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
               ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, SPLIT: gl.constexpr, G: gl.constexpr):
     NS: gl.constexpr = (K + 127) // 128
@@ -390,26 +389,26 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, 
             # T=4096 2786 -> 2575 µs with halves, 2557 -> 2490 with quarters too; T=2048 1537 ->
             # 1481 with 64 + 32 rather than 128; T=512 914-917 -> 878-881 with 16 in 64-row
             # blocks (in 160-row ones it would change the code of the wider MMAs, unmeasured).
-            tile = (x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
-                    s_ptr, stride_se, stride_sn, nrows, n0, e64, sorted_ptr + blk * BLOCK_M, bias_ptr, stride_be,
-                    stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit)
+            tile = (x_smem, x2_smem, w_smem, w2_smem, ready, empty, g, flags_ptr + t * NC, w_ptr, stride_we,
+                    stride_wn, s_ptr, stride_se, stride_sn, nrows, n0, e64, sorted_ptr + blk * BLOCK_M, bias_ptr,
+                    stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit)
             if BLOCK_M <= 64 and nrows <= 16:
-                _consume(tile, K, A_ROW_DIV, G, 16, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                _consume(tile, K, G, 16, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
                          DOT_ORDER_OUT, STEPS, SPLIT)
             elif BLOCK_M <= TINY_BLOCK_M or nrows <= 32:  # (static for 32-row blocks)
-                _consume(tile, K, A_ROW_DIV, G, 32, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                _consume(tile, K, G, 32, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
                          DOT_ORDER_OUT, STEPS, SPLIT)
             elif BLOCK_M <= 64 or nrows <= 64:  # 64-row blocks (SMALL_BLOCK_M) take no wider MMA
-                _consume(tile, K, A_ROW_DIV, G, 64, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                _consume(tile, K, G, 64, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
                          DOT_ORDER_OUT, STEPS, SPLIT)
             elif nrows <= 96:
-                _consume(tile, K, A_ROW_DIV, G, 64, EXTRA, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                _consume(tile, K, G, 64, EXTRA, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
                          ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS, SPLIT)
             elif nrows <= 128:
-                _consume(tile, K, A_ROW_DIV, G, 128, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                _consume(tile, K, G, 128, 0, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
                          DOT_ORDER_OUT, STEPS, SPLIT)
             else:
-                _consume(tile, K, A_ROW_DIV, G, 128, EXTRA, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
+                _consume(tile, K, G, 128, EXTRA, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
                          ROUTE_WEIGHT, DOT_ORDER_OUT, STEPS, SPLIT)
             g += NS
 
@@ -426,6 +425,7 @@ def _moe_gemm_sm90_ws(
     N, up_offset,
     alpha, beta, limit,
     num_tiles,
+    flags_ptr,
     K: gl.constexpr,
     A_ROW_DIV: gl.constexpr,
     GATED: gl.constexpr,
@@ -442,6 +442,8 @@ def _moe_gemm_sm90_ws(
     PRODUCER_REGS: gl.constexpr,
     L2_PREFETCH_BYTES: gl.constexpr,
 ):
+    """One GEMM (``moe._gemm``); with ``SPLIT``, each program then computes again exactly its
+    tiles whose weights have a scale over 128 (:func:`_redo`)."""
     # x (dot-ordered, padded), the words (16-byte aligned rows) and out (along N) have unit
     # strides, checked by the caller.
     gl.static_assert(K % 32 == 0)
@@ -472,25 +474,76 @@ def _moe_gemm_sm90_ws(
         mbarrier.init(ready.index(i), count=128)  # every producer thread's copies
         mbarrier.init(empty.index(i), count=NC)  # each consumer warpgroup's MMA
     gl.warp_specialize([
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn,
                      s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
-                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K,
-                     A_ROW_DIV, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta,
+                     limit, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
                      DOT_ORDER_OUT, SPLIT, 0)),
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn,
                      s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
-                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K,
-                     A_ROW_DIV, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta,
+                     limit, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
                      DOT_ORDER_OUT, SPLIT, 1)),
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn,
                      s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
-                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, K,
-                     A_ROW_DIV, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta,
+                     limit, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
                      DOT_ORDER_OUT, SPLIT, 2)),
         (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
                      num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
                      GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    if SPLIT:
+        # After the join, whose barrier orders the consumers' flag stores before these loads.
+        _redo((a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, bias_ptr, stride_be,
+               stride_bn, rw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, out_ptr, stride_os, stride_om, N,
+               up_offset, alpha, beta, limit), num_tiles, flags_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT,
+              HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, DOT_ORDER_OUT, NC)
+
+
+@gluon.jit
+def _redo(gemm, num_tiles, flags_ptr, K: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr,
+          GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROUTE_WEIGHT: gl.constexpr,
+          BLOCK_M: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, NC: gl.constexpr):
+    """The end of a ``SPLIT`` GEMM (``gemm``: its runtime arguments): each of this program's
+    tile-consumer pairs whose weights met a scale over 128 (``flags_ptr``: a word per tile and
+    consumer, written for every tile with rows) is computed again, 64 weight rows by 8
+    activation rows at a time, by mma.sync and the unpack exact for every scale
+    (``moe_sm90.exact_rows``), from the dot-ordered activations, and stored over the first
+    result. The pairs are checked ``CH`` at a time by one load of their words (usually there is
+    nothing to do) and walked one by one only where one needs it."""
+    (a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, bias_ptr, stride_be, stride_bn,
+     rw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta,
+     limit) = gemm
+    CH: gl.constexpr = 32 * gl.num_warps()
+    FL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    BLOCK_N: gl.constexpr = (32 if GATED else 64) * NC
+    num_n = gl.cdiv(N, BLOCK_N)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    # Pair q of this program: consumer q % NC of tile pid + (q // NC) nprog (the consumers' loop).
+    mine = (num_tiles - pid + nprog - 1) // nprog * NC
+    for q0 in range(0, mine, CH):
+        q = q0 + gl.arange(0, CH, layout=FL)
+        t = pid + q // NC * nprog
+        # A padding block's flags are never written: its expert (< 0) rules it out.
+        expert = gl.load(block_expert_ptr + t // num_n, mask=q < mine, other=-1)
+        if gl.max(gl.load(flags_ptr + t * NC + q % NC, mask=expert >= 0, other=0), 0) > 128:
+            for qi in range(q0, gl.minimum(q0 + CH, mine)):
+                ti = pid + qi // NC * nprog
+                blk, e, nrows, n0 = _tile(ti, N, block_expert_ptr, block_rows_ptr, BLOCK_N)
+                if e >= 0:
+                    if gl.load(flags_ptr + ti * NC + qi % NC) > 128:
+                        n1 = n0 + (qi % NC) * (32 if GATED else 64)
+                        e64 = e.to(gl.int64)
+                        pairs_ptr = sorted_ptr + blk * BLOCK_M
+                        for r0 in range(0, nrows, 8):
+                            acc = moe_sm90.exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
+                                                      n1, N, up_offset, a_ptr, stride_am, pairs_ptr + r0, nrows - r0,
+                                                      K, GATED, GATE_STRIDE, A_ROW_DIV)
+                            epilogue(acc, 0, nrows - r0, n1, 0, e64, pairs_ptr + r0, bias_ptr, stride_be, stride_bn,
+                                     rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED,
+                                     GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, 8, 64, DOT_ORDER_OUT, SPLIT=True)
 
 
 @triton.jit
@@ -568,7 +621,11 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
     num_tiles = num_blocks * cdiv(n_out, (32 if common["GATED"] else 64) * CONSUMERS)
-    GEMM_SM90_WS[(min(num_tiles, num_sms(args[0].device)),)](
-        *args, num_tiles, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
-        DOT_ORDER_OUT=dot_order_out, SPLIT=splits(block_m), NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS,
+    split = splits(block_m)
+    device = args[0].device
+    # Per tile and consumer, over 128 where its weights have a larger scale (SPLIT), for the redo.
+    flags = torch.empty(num_tiles * CONSUMERS, dtype=torch.int32, device=device) if split else args[0]
+    GEMM_SM90_WS[(min(num_tiles, num_sms(device)),)](
+        *args, num_tiles, flags, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
+        DOT_ORDER_OUT=dot_order_out, SPLIT=split, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS,
         PRODUCER_REGS=_PRODUCER_REGS, L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)

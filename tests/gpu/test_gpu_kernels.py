@@ -545,9 +545,9 @@ def test_scales_over_128_are_exact(monkeypatch, path):
     """The mma.sync loops, and the warp-specialized kernel's blocks of up to 64 rows, unpack by
     one multiply that is exact only for scales up to 128 (``sm90_tile.UNPACK_SPLIT_SMALL``); a
     program (a consumer's tile) whose weights have a larger scale computes its rows again by
-    the exact unpack (in the warp-specialized kernel by ``moe_sm90.exact_rows``, from the
-    dot-ordered activations). Expert 0's GEMM1 weights have large blocks in every row (every
-    GEMM1 tile of it redoes), expert 1's GEMM2 weights in 4 rows (one tile redoes): every
+    the exact unpack (in the warp-specialized kernel after its GEMM, ``moe_sm90_ws._redo``,
+    from the dot-ordered activations). Expert 0's GEMM1 weights have large blocks in every row
+    (every GEMM1 tile of it redoes), expert 1's GEMM2 weights in 4 rows (one tile redoes): every
     token's output matches emulation, the tokens routed there and the others. 160-row blocks
     unpack exactly in the first place."""
     from mxfx.kernels import moe_sm90, moe_sm90_ws
