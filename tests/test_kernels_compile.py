@@ -60,6 +60,20 @@ def test_serialized_wgmma_is_read_from_the_ptxas_log():
     assert json.loads(r.stdout.splitlines()[-1]) == [[log[0].strip()], []]
 
 
+def test_sass_opcodes_are_read_past_4096_instructions():
+    # nvdisasm -c: past byte 0xfff0 (instruction 4096) an address takes five hex digits; the
+    # warp-specialized kernels run to 25,000 instructions (the tool once stopped at 4,096).
+    sass = [".L_x_1:",
+            "        /*fff0*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;",
+            "        /*10000*/              @!P0 STL [R1], R2 ;",
+            "        /*1a2b0*/                   BRA `(.L_x_1) ;"]
+    code = "import json, sys; import compile_kernels as c; print(json.dumps(c._opcodes(json.load(sys.stdin))))"
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(sass), capture_output=True, text=True,
+                       cwd=TOOL.parent, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == ["IMAD.MOV.U32", "STL", "BRA"]
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_kernel_compiles_for(target, tool_runs):
     r = tool_runs[_tool_args({"target": target})]()
