@@ -91,9 +91,8 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     # 18.4-18.5 / 17.3-17.7.
     x_row_stages = 4 if num_pairs * cdiv(hidden if intermediate is None else intermediate, 32) <= 512 else 3
     if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
-        block_m = moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M
-        if rows <= WS_TINY_ROWS:
-            block_m = moe_sm90_ws.TINY_BLOCK_M.value
+        block_m = (moe_sm90_ws.TINY_BLOCK_M.value if rows <= WS_TINY_ROWS else
+                   moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M)
         return GemmConfig(block_m, 64, 128, 64, 4, swap=True, split=True, sm90=True, ws=True)
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is small, so its K range
@@ -368,9 +367,8 @@ def fused_moe(
     quantize-dequantized ``x``; in the warp-specialized kernel ``x`` dot-ordered and both it
     and the intermediate padded to a multiple of 128 columns (under activation quantization
     the intermediate twice: as GEMM1 stores it, and dot-ordered), and in its blocks of up to 64
-    rows 3 int32 words per tile of each GEMM (whether it met a scale over 128).
-    Replayed from a launch plan
-    (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
+    rows 3 int32 words per tile of each GEMM (whether it met a scale over 128). Replayed from a
+    launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
     """
     w = weights
     sync = _sync_buffer(x) if moe_sm90.runs_on(x.device) else None

@@ -100,6 +100,8 @@ UNPACK_SPLIT = gl.constexpr(_SPLIT_BITS + "".join(f"mul.rn.bf16x2 a{i}, a{i}, $2
 # 244.8-247.7 -> 232.8-233.3; Qwen3-30B-A3B T=32 118.9-120.1 -> 113.8.
 UNPACK_SPLIT_SMALL = gl.constexpr(_SPLIT_BITS + "mad.lo.u32 x, $12, 0x00800080, 0x3F003F00;\n"
                                   + "".join(f"mul.rn.bf16x2 ${i}, a{i}, x;\n" for i in range(4)) + "}\n")
+# The largest scale (E8M0 byte) UNPACK_SPLIT_SMALL is exact for.
+SMALL_SCALES_MAX = gl.constexpr(128)
 
 
 _UNPACK_SPLIT_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
@@ -108,9 +110,10 @@ _UNPACK_SPLIT_SMALL_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] *
 
 @gluon.jit
 def over_small_scales(smax):
-    """Whether the largest of the scales ``smax`` (uint8, 3-D) is over 128, past which
-    :data:`UNPACK_SPLIT_SMALL` is wrong: the caller computes those weights again the exact way."""
-    return gl.max(gl.max(gl.max(smax.to(gl.int32), 2), 1), 0) > 128
+    """Whether the largest of the scales ``smax`` (uint8, 3-D) is over :data:`SMALL_SCALES_MAX`,
+    past which :data:`UNPACK_SPLIT_SMALL` is wrong: the caller computes those weights again the
+    exact way."""
+    return gl.max(gl.max(gl.max(smax.to(gl.int32), 2), 1), 0) > SMALL_SCALES_MAX
 
 
 @gluon.constexpr_function
