@@ -147,7 +147,7 @@ def test_replay_hands_each_kernel_what_a_fresh_call_does(logged, fused, T, quant
 def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkeypatch, aq):
     """The warp-specialized path (Hopper patched in) allocates x dot-ordered, the intermediate
     (twice under activation quantization), GEMM2's float32 per-slot results and, in blocks of up
-    to 64 rows, each GEMM's largest scales per tile; the replay's workspace holds only what is
+    to 64 rows, each GEMM's flags of tiles to redo; the replay's workspace holds only what is
     live at once: less than their sum, and what GEMM2 and the k-sum need (the intermediate and
     the per-slot results) is a lower bound."""
     from mxfx.kernels import moe_sm90
@@ -167,7 +167,7 @@ def test_workspace_reuses_the_bytes_of_temporaries_no_longer_used(logged, monkey
     assert inter + per_slot <= plan.workspace < sum(r.nbytes for r in plan.regions)
     # x dot-ordered, the intermediate (natural and dot-ordered under A4), the per-slot results,
     # the routing's counts, sorted pairs and per-block expert and rows, and in these 64-row
-    # blocks each GEMM's largest scales per tile (for moe_sm90_ws._redo)
+    # blocks each GEMM's flags of tiles to redo (moe_sm90_ws._redo)
     assert len(plan.regions) == (4 if aq != "none" else 3) + 4 + 2
 
 
