@@ -18,7 +18,7 @@ import torch
 
 from mxfx.activation import GatedActivation
 from mxfx.backends.base import ActivationQuant, MoEWeights
-from mxfx.kernels import moe_portable, moe_sm90, moe_sm90_ws, mx
+from mxfx.kernels import moe_portable, moe_sm90, moe_sm90_ws, mx, sm90_tile
 from mxfx.kernels.launch import cdiv, next_power_of_2, num_sms
 from mxfx.kernels.replay import Replayer
 from mxfx.kernels.routing import Routing, align, per_pair
@@ -180,7 +180,7 @@ def _gemm(
         moe_sm90_ws.launch(args, common, num_blocks, n_out, cfg.block_m, dot_order_out=gated and aq.fmt == "none")
         return
     if cfg.sm90 and quantized:
-        block_n = 32 if gated else 64
+        block_n = sm90_tile.tile_cols(gated)
         # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
         # no overflow checks).
         per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0)

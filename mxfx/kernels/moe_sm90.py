@@ -464,7 +464,7 @@ def _program(
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "activation row in shared memory: per-pair mma.sync")
     gl.static_assert(WAIT <= 0 or XROW != 0, "a program waiting on a counter reads its row into shared memory")
-    BLOCK_N: gl.constexpr = 32 if GATED else 64
+    BLOCK_N: gl.constexpr = tile.tile_cols(GATED)
     NI: gl.constexpr = BLOCK_K // 128
     WL: gl.constexpr = tile.w_layout(NI)
     if SYNC_MMA:

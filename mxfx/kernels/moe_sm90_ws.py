@@ -74,8 +74,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_sm90, mx, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
-from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, tables_word, tile_row, unpack_a, w_layout,
-                                    weight_rows)
+from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, tables_word, tile_cols, tile_row, unpack_a,
+                                    w_layout, weight_rows)
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
 # expert with up to 160 rows unpacks its weights once. (gpt-oss-120b, H200, 128-row blocks:
@@ -123,13 +123,6 @@ def _ring_words_layout(ROWS):
     lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
     warp = [[16 << b, 0] for b in range(log2(ROWS // 16))]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [ROWS, 16])
-
-
-@gluon.constexpr_function
-def _cols(gated):
-    """Output columns of a consumer's 64 weight rows: 32 of a gated GEMM (a gate and an up row
-    each), else 64."""
-    return 32 if gated else 64
 
 
 @gluon.jit
@@ -287,7 +280,7 @@ def _consume(tile, K: gl.constexpr, G: gl.constexpr, MR: gl.constexpr, MR2: gl.c
     WL: gl.constexpr = w_layout(1, 4)
     WH: gl.constexpr = w_layout(1, 4, 2)  # the words of half a step
     # Tile rows 64 G + r are the rows r of the tile 32 G (gated) or 64 G columns further.
-    n0 = n0 + G * _cols(GATED)
+    n0 = n0 + G * tile_cols(GATED)
     _, s_rows, _, sg, _ = weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
                                       up_offset, GATED, GATE_STRIDE, 64, 1, WL)
     # The scales [64, 1, 4] and prmt tables in the half-step unpack's layout (a relabelling).
@@ -390,7 +383,7 @@ def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, 
     STEPS: gl.constexpr = 2 if BLOCK_M <= 64 and (K + 127) // 128 >= 4 else 1
     g = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, _cols(GATED) * NC)
+        blk, expert, nrows, n0 = _tile(t, N, block_expert_ptr, block_rows_ptr, tile_cols(GATED) * NC)
         if expert >= 0:
             e64 = expert.to(gl.int64)
             # MMAs only as wide as the block's rows (often an expert's last block holds a few):
@@ -525,7 +518,7 @@ def _redo(gemm, num_tiles, flags_ptr, K: gl.constexpr, A_ROW_DIV: gl.constexpr, 
      limit) = gemm
     CH: gl.constexpr = 32 * gl.num_warps()
     FL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    BLOCK_N: gl.constexpr = _cols(GATED) * NC
+    BLOCK_N: gl.constexpr = tile_cols(GATED) * NC
     num_n = gl.cdiv(N, BLOCK_N)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -542,7 +535,7 @@ def _redo(gemm, num_tiles, flags_ptr, K: gl.constexpr, A_ROW_DIV: gl.constexpr, 
                 blk, e, nrows, n0 = _tile(ti, N, block_expert_ptr, block_rows_ptr, BLOCK_N)
                 if e >= 0:
                     if gl.load(flags_ptr + ti * NC + qi % NC) > SMALL_SCALES_MAX:
-                        n1 = n0 + (qi % NC) * _cols(GATED)
+                        n1 = n0 + (qi % NC) * tile_cols(GATED)
                         e64 = e.to(gl.int64)
                         pairs_ptr = sorted_ptr + blk * BLOCK_M
                         for r0 in range(0, nrows, 8):
@@ -628,7 +621,7 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
-    num_tiles = num_blocks * cdiv(n_out, _cols(common["GATED"]) * CONSUMERS)
+    num_tiles = num_blocks * cdiv(n_out, tile_cols(common["GATED"]) * CONSUMERS)
     split = splits(block_m)
     device = args[0].device
     # Per tile and consumer, over 128 where its weights have a larger scale (SPLIT), for the redo.

@@ -117,6 +117,13 @@ def over_small_scales(smax):
 
 
 @gluon.constexpr_function
+def tile_cols(gated):
+    """Output columns of a warpgroup's 64 weight rows: 32 of a gated GEMM (a gate and an up row
+    each, see :func:`weight_rows`), else 64."""
+    return 32 if gated else 64
+
+
+@gluon.constexpr_function
 def log2(n):
     assert n & (n - 1) == 0, n
     return n.bit_length() - 1
