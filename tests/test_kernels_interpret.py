@@ -512,3 +512,17 @@ def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, 
     ref[:, pos] = x
     assert out.shape == (M, KP) and torch.equal(out.isnan(), ref.isnan())
     assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize("block_m,n_out,gated,want", [
+    (32, 768, True, 4), (32, 2048, False, 4),  # Qwen3-30B-A3B: 256-row tiles fit
+    (32, 14336, True, 4), (32, 4096, False, 4),  # Mixtral-8x7B
+    (32, 2880, True, 3), (32, 2880, False, 3),  # gpt-oss: 192-row tiles fit, 256-row ones do not
+    (32, 352, True, 3), (32, 512, False, 4),  # a tensor-parallel shard
+    (64, 768, True, 3), (160, 4096, False, 3),  # larger blocks: three (see moe_sm90_ws._REGS4)
+])
+def test_warp_specialized_consumers_by_tile_fit(block_m, n_out, gated, want):
+    """Four consumer warpgroups (256-row tiles) only in 32-row blocks and where a GEMM's
+    outputs fill whole tiles of them, else three (tools/PERF_LOG.md, sessions 32-33)."""
+    from mxfx.kernels import moe_sm90_ws
+    assert moe_sm90_ws.consumers(block_m, n_out, gated) == want

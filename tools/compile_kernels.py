@@ -21,6 +21,7 @@ registers that some path leaves unwritten) fails with ``MiscompiledKernel``.
 
     python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
     python tools/compile_kernels.py --target cuda:90 --sass --hidden 2880 --intermediate 2880
+    python tools/compile_kernels.py --target cuda:90 --hidden 2048 --intermediate 768 --match "_ws .*'NC': 4"
 """
 from __future__ import annotations
 
@@ -229,12 +230,16 @@ def main(argv=None) -> int:
     p.add_argument("--sass", action="store_true", help="SASS counts of the main loop (CUDA targets)")
     p.add_argument("--hidden", type=int, default=64, help="H of the recorded MoE calls (e.g. 2880 for --sass)")
     p.add_argument("--intermediate", type=int, default=96, help="I of the recorded MoE calls")
+    p.add_argument("--match", help="compile only the specializations whose line (kernel, dtypes, constexprs) "
+                   "this regular expression matches, e.g. \"_ws .*'NC': 4\"")
     a = p.parse_args(argv)
     failed = 0
     for text in a.target:
         target = parse_target(text)
         for kernel, args, meta in record_launches(target, a.hidden, a.intermediate):
             row = {"target": text, "kernel": _describe(kernel, args, meta)}
+            if a.match and not re.search(a.match, row["kernel"]):
+                continue
             try:
                 log: list = []
                 compiled = compile_launch(kernel, args, meta, target, log)

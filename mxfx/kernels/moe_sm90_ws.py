@@ -94,6 +94,24 @@ TINY_BLOCK_M = gl.constexpr(32)
 # each in 64-row blocks (and 80 registers at launch), alternating runs: T=1024 1051-1055 ->
 # 1027-1028 µs, T=1536 1197-1198 -> 1148-1152, T=512 874-880 -> 860-862.
 CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
+# Four consumers (256-row tiles) in 32-row blocks where a GEMM's outputs fill whole tiles of 256
+# weight rows: 5 warpgroups at 96 registers, consumers 112, producer 32. H200, graph µs, min-max
+# of 2 alternating processes, three / four consumers: Mixtral-8x7B T=32 335-338 / 291-293, T=64
+# 354-356 / 322-323; Qwen3-30B-A3B T=128 164 / 163-165, T=256 181 / 174; MiniMax-M3 T=256 1435-1438
+# / 1436-1437. In 64-row blocks four win where few experts leave few tiles (Mixtral-8x7B T=128
+# 447-448 / 418-419) and lose where many experts give many (Qwen3-30B-A3B T=512 229-231 / 238,
+# MiniMax-M3 T=1024 2010-2015 / 2042-2085). Where 192-row tiles fit and 256-row ones do not
+# (gpt-oss: 5760 and 2880 outputs), four lose (64-row blocks, session 32: gpt-oss-120b T=256
+# 683-687 / 720-721).
+_REGS4 = (96, 112, 32)
+
+
+def consumers(block_m: int, n_out: int, gated: bool) -> int:
+    """Consumer warpgroups (64 weight rows each) per program for a GEMM of ``n_out`` outputs
+    (columns) in blocks of ``block_m`` rows (see _REGS4)."""
+    return 4 if block_m <= TINY_BLOCK_M and n_out % (tile_cols(gated) * 4) == 0 else CONSUMERS
+
+
 # A consumer's K steps per wait for all its MMAs (_consume's STEPS_PER_WAIT; the steps of a
 # group overlap one another's MMAs, the last one's are drained): pairs in 64-row blocks, single
 # steps in 160-row ones. gpt-oss-120b, alternating runs, steps of one / two / three: T=256 805 /
@@ -102,14 +120,15 @@ CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
 # As landed (pairs where K > 384), one / two: T=256 797-798 / 771-773, T=512 840-844 / 820-824.
 
 
-def _stages(block_m: int, gated: bool) -> int:
+def _stages(block_m: int, gated: bool, nc: int) -> int:
     """Ring slots: as many as shared memory holds, 227 KiB a block on the H100/H200. 160-row
     blocks: GEMM1 (gated) 4 slots, 225 KB (T=4096 1914-1915 -> 1899-1904 µs against 3); GEMM2 3,
     with four it would need 232 KiB with its epilogue's scratch. 64-row blocks: 6, 189-205 KB
     (T=256 831-834 -> 821-823 µs against 4; T=4096 earlier: 3 slots 2840 against 4 2786, 5 2544
-    against 4 2526). 32-row blocks: 10 (221 KB), GEMM2 9 (217 KB)."""
+    against 4 2526). 32-row blocks: 10 (221 KB), GEMM2 9 (217 KB); with four consumers (``nc``),
+    whose slots hold 16 KiB of weights, not 12: 8 (219 KB) and 7 (217 KB)."""
     if block_m <= TINY_BLOCK_M:
-        return 10 if gated else 9
+        return (10 if gated else 9) if nc == 3 else (8 if gated else 7)
     if block_m <= SMALL_BLOCK_M:
         return 6
     return 4 if gated else 3
@@ -370,12 +389,12 @@ def _producer(a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_e
 
 
 @gluon.jit
-def _consumer(x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn, s_ptr,
-              stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
-              stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit,
-              K: gl.constexpr, NC: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+def _consumer(tile_args, K: gl.constexpr, NC: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
               ROUTE_WEIGHT: gl.constexpr, DOT_ORDER_OUT: gl.constexpr, SPLIT: gl.constexpr, G: gl.constexpr):
+    (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+     stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr,
+     out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit) = tile_args
     NS: gl.constexpr = (K + 127) // 128
     EXTRA: gl.constexpr = BLOCK_M - 128
     # Pairs (see CONSUMERS) only where the K loop runs more than once: with one iteration of a
@@ -451,7 +470,7 @@ def _moe_gemm_sm90_ws(
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
     # The rows the MMA widths cover (TINY_BLOCK_M, SMALL_BLOCK_M, BLOCK_M).
     gl.static_assert((BLOCK_M == TINY_BLOCK_M) | (BLOCK_M == 64) | (BLOCK_M == 160))
-    gl.static_assert(NC == 3)  # the partition list below
+    gl.static_assert((NC == 3) | ((NC == 4) & (BLOCK_M == TINY_BLOCK_M)))  # consumers(), the partition lists
     # ptx_hints adds the qualifier to copies and loads after compilation; as a parameter it keys
     # the binary caches.
     gl.static_assert(L2_PREFETCH_BYTES == 128)
@@ -474,26 +493,38 @@ def _moe_gemm_sm90_ws(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=128)  # every producer thread's copies
         mbarrier.init(empty.index(i), count=NC)  # each consumer warpgroup's MMA
-    gl.warp_specialize([
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn,
-                     s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
-                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta,
-                     limit, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
-                     DOT_ORDER_OUT, SPLIT, 0)),
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn,
-                     s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
-                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta,
-                     limit, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
-                     DOT_ORDER_OUT, SPLIT, 1)),
-        (_consumer, (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn,
-                     s_ptr, stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr,
-                     stride_be, stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta,
-                     limit, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
-                     DOT_ORDER_OUT, SPLIT, 2)),
-        (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                     num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
-                     GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
-    ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    # The consumers' runtime arguments travel as one tuple (constexprs and functions cannot: they
+    # must stay parameters, and list entries); the partition list is literal syntax, so there is
+    # one list per consumer count.
+    tile_args = (x_smem, x2_smem, w_smem, w2_smem, ready, empty, flags_ptr, w_ptr, stride_we, stride_wn, s_ptr,
+                 stride_se, stride_sn, block_expert_ptr, block_rows_ptr, num_tiles, sorted_ptr, bias_ptr, stride_be,
+                 stride_bn, rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit)
+    if NC == 3:
+        gl.warp_specialize([
+            (_consumer, (tile_args, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, SPLIT, 0)),
+            (_consumer, (tile_args, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, SPLIT, 1)),
+            (_consumer, (tile_args, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, SPLIT, 2)),
+            (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                         num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
+                         GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (tile_args, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, SPLIT, 0)),
+            (_consumer, (tile_args, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, SPLIT, 1)),
+            (_consumer, (tile_args, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, SPLIT, 2)),
+            (_consumer, (tile_args, K, NC, BLOCK_M, STAGES, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT,
+                         DOT_ORDER_OUT, SPLIT, 3)),
+            (_producer, (a_ptr, stride_am, w_ptr, stride_we, stride_wn, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                         num_tiles, N, up_offset, x_smem, x2_smem, w_smem, w2_smem, ready, empty, K, A_ROW_DIV, GATED,
+                         GATE_STRIDE, BLOCK_M, ROWS, STAGES)),
+        ], [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     if SPLIT:
         # After the join, whose barrier orders the consumers' flag stores before these loads.
         _redo((a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, bias_ptr, stride_be,
@@ -621,12 +652,14 @@ def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int,
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
     them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
     GEMM2 reads it as it is)."""
-    num_tiles = num_blocks * cdiv(n_out, tile_cols(common["GATED"]) * CONSUMERS)
+    nc = consumers(block_m, n_out, common["GATED"])
+    maxnreg, consumer_regs, producer_regs = (_MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS) if nc == 3 else _REGS4
+    num_tiles = num_blocks * cdiv(n_out, tile_cols(common["GATED"]) * nc)
     split = splits(block_m)
     device = args[0].device
     # Per tile and consumer, over 128 where its weights have a larger scale (SPLIT), for the redo.
-    flags = torch.empty(num_tiles * CONSUMERS, dtype=torch.int32, device=device) if split else args[0]
+    flags = torch.empty(num_tiles * nc, dtype=torch.int32, device=device) if split else args[0]
     GEMM_SM90_WS[(min(num_tiles, num_sms(device)),)](
-        *args, num_tiles, flags, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"]),
-        DOT_ORDER_OUT=dot_order_out, SPLIT=split, NC=CONSUMERS, CONSUMER_REGS=_CONSUMER_REGS,
-        PRODUCER_REGS=_PRODUCER_REGS, L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=_MAXNREG)
+        *args, num_tiles, flags, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"], nc),
+        DOT_ORDER_OUT=dot_order_out, SPLIT=split, NC=nc, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=maxnreg)

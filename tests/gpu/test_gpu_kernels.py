@@ -347,28 +347,33 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
 
 
 @pytest.mark.parametrize(
-    "T,E,H,I,k,act,block_m",
+    "T,E,H,I,k,act,block_m,nc",
     [
-        (300, 8, 2880, 2880, 4, GPT_OSS, 160),  # ~150 rows per expert: 128- and 32-wide MMAs
-        (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 160),  # halves layout, K tail 96
-        (70, 2, 224, 160, 2, SILU_AND_MUL, 160),  # no limit; K = 224, 160: two steps, tails of 96 and 32
-        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64),  # E = 1: 40 rows in one block
-        (14, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 32),  # 7 rows per expert: 16-wide MMAs
-        (44, 4, 2880, 352, 2, GPT_OSS, 32),  # 22 rows per expert: 32-row blocks, 16- and 32-wide MMAs
-        (600, 4, 2880, 352, 1, GPT_OSS, 160),  # every token on expert 0
-        (144, 4, 2880, 352, 1, GPT_OSS, 64),  # all on expert 0 in 64-row blocks: 64-, 64- and 16-wide MMAs
-        (130, 8, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64),  # ~32 rows per expert: 32- and 64-wide
-        (130, 8, 512, 640, 2, SILU_AND_MUL, 64),  # K steps in pairs: 4 steps (two pairs), 5 (and one)
-        (1000, 4, 160, 224, 2, SILU_AND_MUL, 160),  # ~500 rows per expert: 160-row blocks and a 32-wide tail
+        (300, 8, 2880, 2880, 4, GPT_OSS, 160, (3, 3)),  # ~150 rows per expert: 128- and 32-wide MMAs
+        (200, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 160, (3, 3)),  # halves layout, K tail 96
+        (70, 2, 224, 160, 2, SILU_AND_MUL, 160, (3, 3)),  # no limit; K = 224, 160: two steps, tails of 96 and 32
+        (40, 1, 352, 160, 1, GatedActivation("halves", 1.1, 0.3, 3.0), 64, (3, 3)),  # E = 1: 40 rows in one block
+        (14, 4, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 32, (3, 3)),  # 7 rows per expert: 16-wide MMAs
+        (44, 4, 2880, 352, 2, GPT_OSS, 32, (3, 3)),  # 22 rows per expert: 32-row blocks, 16- and 32-wide MMAs
+        (600, 4, 2880, 352, 1, GPT_OSS, 160, (3, 3)),  # every token on expert 0
+        (144, 4, 2880, 352, 1, GPT_OSS, 64, (3, 3)),  # all on expert 0 in 64-row blocks: 64-, 64- and 16-wide MMAs
+        (130, 8, 352, 2880, 2, minimax_m3(1.702, 1.0, 7.0), 64, (3, 3)),  # ~32 rows per expert: 32- and 64-wide
+        (130, 8, 512, 640, 2, SILU_AND_MUL, 64, (3, 3)),  # K steps in pairs: 4 steps (two pairs), 5 (and one)
+        # In 32-row blocks, outputs that fill 256-row tiles (I = 256, 384; H = 512): four consumers.
+        (44, 4, 2880, 256, 2, GPT_OSS, 32, (4, 3)),
+        (40, 4, 512, 384, 2, minimax_m3(1.702, 1.0, 7.0), 32, (4, 4)),
+        (48, 4, 512, 352, 2, SILU_AND_MUL, 32, (3, 4)),
+        (1000, 4, 160, 224, 2, SILU_AND_MUL, 160, (3, 3)),  # ~500 rows per expert: 160-row blocks and a 32-wide tail
     ],
 )
-def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, block_m):
+def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, block_m, nc):
     """On Hopper, bf16 MXFP4 above 6 rows per expert runs :mod:`mxfx.kernels.moe_sm90_ws`
     (32-row blocks up to 24 rows per expert, 64-row blocks up to 56, 160-row blocks past; up to
     64 rows the unpack by one multiply, in its K order) for both GEMMs of the fused
     backend, on dot-ordered inputs (quantize-dequantized on the way under A8), as does the
     unfused backend, and matches emulation with NaN-poisoned padding around every input.
-    Weights not readable as words and rows not 16 bytes apart take the other kernels."""
+    Weights not readable as words and rows not 16 bytes apart take the other kernels. ``nc``:
+    each GEMM's consumer warpgroups (:func:`mxfx.kernels.moe_sm90_ws.consumers`)."""
     from mxfx.kernels import moe_sm90, moe_sm90_ws
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -378,8 +383,8 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
     calls = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
     split = block_m <= 64
-    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"], m["SPLIT"]) for m in calls] == [(block_m, True, split),
-                                                                              (block_m, False, split)]
+    assert [(m["BLOCK_M"], m["DOT_ORDER_OUT"], m["SPLIT"], m["NC"]) for m in calls] == [
+        (block_m, True, split, nc[0]), (block_m, False, split, nc[1])]
     calls.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4,
            aq=ActivationQuant("mxfp8", "even"), tol=1e-2)
