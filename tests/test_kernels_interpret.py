@@ -514,15 +514,39 @@ def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, 
     assert torch.equal(out.nan_to_num(), ref.nan_to_num())
 
 
-@pytest.mark.parametrize("block_m,n_out,gated,want", [
-    (32, 768, True, 4), (32, 2048, False, 4),  # Qwen3-30B-A3B: 256-row tiles fit
-    (32, 14336, True, 4), (32, 4096, False, 4),  # Mixtral-8x7B
-    (32, 2880, True, 3), (32, 2880, False, 3),  # gpt-oss: 192-row tiles fit, 256-row ones do not
-    (32, 352, True, 3), (32, 512, False, 4),  # a tensor-parallel shard
-    (64, 768, True, 3), (160, 4096, False, 3),  # larger blocks: three (see moe_sm90_ws._REGS4)
+@pytest.mark.parametrize("block_m,n_out,gated,blocks,want", [
+    (32, 768, True, 128, 4), (32, 2048, False, 128, 4),  # Qwen3-30B-A3B: 256-row tiles fit
+    (32, 14336, True, 8, 4), (32, 4096, False, 8, 4),  # Mixtral-8x7B
+    (32, 2880, True, 128, 3), (32, 2880, False, 128, 3),  # gpt-oss: 192-row tiles fit, 256-row ones do not
+    (32, 352, True, 4, 3), (32, 512, False, 4, 4),  # a tensor-parallel shard
+    # 64-row blocks, 132 SMs: rounds of tiles of 192 / 256 rows.
+    (64, 14336, True, 8, 4),  # Mixtral-8x7B GEMM1: 10 / 7
+    (64, 4096, False, 8, 4),  # GEMM2: 2 / 1
+    (64, 4096, False, 8.9, 3),  # T=224: 56 rows per expert, one in eight over 64 (2 / 2)
+    (64, 768, True, 128, 3),  # Qwen3-30B-A3B GEMM1: 8 / 6
+    (64, 2048, False, 128, 3),  # GEMM2: 11 / 8 (32 x 1.05 > 33)
+    (64, 6144, False, 128, 3),  # MiniMax-M3 GEMM2: 63 / 47
+    (64, 512, False, 8, 3),  # one round either way
+    (160, 4096, False, 8, 3),  # 160-row blocks: three (their accumulators take the registers)
 ])
-def test_warp_specialized_consumers_by_tile_fit(block_m, n_out, gated, want):
-    """Four consumer warpgroups (256-row tiles) only in 32-row blocks and where a GEMM's
-    outputs fill whole tiles of them, else three (tools/PERF_LOG.md, sessions 32-33)."""
+def test_warp_specialized_consumers_by_tile_fit(block_m, n_out, gated, blocks, want):
+    """Four consumer warpgroups (256-row tiles) only where a GEMM's outputs fill whole tiles of
+    them: in 32-row blocks always, in 64-row ones where they take enough fewer rounds of tiles
+    (tools/PERF_LOG.md, sessions 32-33)."""
     from mxfx.kernels import moe_sm90_ws
-    assert moe_sm90_ws.consumers(block_m, n_out, gated) == want
+    assert moe_sm90_ws.consumers(block_m, n_out, gated, blocks, 132) == want
+
+
+@pytest.mark.parametrize("pairs,experts,block_m", [(256, 8, 64), (448, 8, 64), (416, 8, 64), (4096, 128, 64),
+                                                  (1024, 128, 32), (40, 8, 32), (100, 1, 64), (3, 8, 32)])
+def test_expected_blocks_match_random_routings(pairs, experts, block_m):
+    """routing.expected_blocks against the blocks that 400 uniformly random routings take."""
+    from mxfx.kernels import routing
+    g = torch.Generator().manual_seed(0)
+    counts = torch.stack([torch.bincount(torch.randint(0, experts, (pairs,), generator=g), minlength=experts)
+                          for _ in range(400)])
+    taken = ((counts + block_m - 1) // block_m).sum(1).double()
+    expected = routing.expected_blocks(pairs, experts, block_m)
+    assert abs(expected - taken.mean().item()) <= 0.01 * taken.mean().item() + 3 * taken.std().item() / 20
+    assert expected <= routing.max_blocks(pairs, experts, block_m)
+    assert routing.expected_blocks(0, experts, block_m) == 0

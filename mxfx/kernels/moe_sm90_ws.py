@@ -62,6 +62,8 @@ intermediate in natural order.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -94,22 +96,40 @@ TINY_BLOCK_M = gl.constexpr(32)
 # each in 64-row blocks (and 80 registers at launch), alternating runs: T=1024 1051-1055 ->
 # 1027-1028 µs, T=1536 1197-1198 -> 1148-1152, T=512 874-880 -> 860-862.
 CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
-# Four consumers (256-row tiles) in 32-row blocks where a GEMM's outputs fill whole tiles of 256
-# weight rows: 5 warpgroups at 96 registers, consumers 112, producer 32. H200, graph µs, min-max
-# of 2 alternating processes, three / four consumers: Mixtral-8x7B T=32 335-338 / 291-293, T=64
-# 354-356 / 322-323; Qwen3-30B-A3B T=128 164 / 163-165, T=256 181 / 174; MiniMax-M3 T=256 1435-1438
-# / 1436-1437. In 64-row blocks four win where few experts leave few tiles (Mixtral-8x7B T=128
-# 447-448 / 418-419) and lose where many experts give many (Qwen3-30B-A3B T=512 229-231 / 238,
-# MiniMax-M3 T=1024 2010-2015 / 2042-2085). Where 192-row tiles fit and 256-row ones do not
-# (gpt-oss: 5760 and 2880 outputs), four lose (64-row blocks, session 32: gpt-oss-120b T=256
-# 683-687 / 720-721).
+# Four consumers (256-row tiles) where a GEMM's outputs fill whole tiles of 256 weight rows:
+# 5 warpgroups at 96 registers, consumers 112, producer 32. H200, graph µs, min-max of 2
+# alternating processes, three / four consumers. 32-row blocks: Mixtral-8x7B T=32 335-338 /
+# 291-293, T=64 354-356 / 322-323; Qwen3-30B-A3B T=128 164 / 163-165, T=256 181 / 174; MiniMax-M3
+# T=256 1435-1438 / 1436-1437. 64-row blocks: a four-consumer program goes through fewer weight
+# rows a second than a three-consumer one (fewer registers and ring slots), and wins only where
+# it takes fewer rounds of tiles: Mixtral-8x7B T=128 445-448 / 411-419, T=192 516-518 / 466-471
+# (8 blocks: GEMM2 176 tiles of 192 rows on 132 SMs, two rounds, against 128 of 256, one), but
+# T=224 549-551 / 566-568 (56 rows per expert: about one expert in eight takes a second block,
+# and 9 blocks take two rounds either way: routing.expected_blocks); Qwen3-30B-A3B T=512 229-231
+# / 238, MiniMax-M3 T=1024 2010-2015 / 2042-2085 (128 blocks: as many rounds either way;
+# _FOUR_SLOWER). Where 192-row tiles fit and 256-row ones do not
+# (gpt-oss: 5760 and 2880 outputs), four lose (session 32: gpt-oss-120b T=256 683-687 / 720-721).
 _REGS4 = (96, 112, 32)
+# A four-consumer tile's time in 64-row blocks over 4/3 of a three-consumer one's: 2-4 % where
+# the rounds are as many (Qwen3-30B-A3B T=512, MiniMax-M3 T=1024, above), with a margin.
+_FOUR_SLOWER = 1.05
 
 
-def consumers(block_m: int, n_out: int, gated: bool) -> int:
+def consumers(block_m: int, n_out: int, gated: bool, blocks: float, sms: int) -> int:
     """Consumer warpgroups (64 weight rows each) per program for a GEMM of ``n_out`` outputs
-    (columns) in blocks of ``block_m`` rows (see _REGS4)."""
-    return 4 if block_m <= TINY_BLOCK_M and n_out % (tile_cols(gated) * 4) == 0 else CONSUMERS
+    (columns) in blocks of ``block_m`` rows (see _REGS4): four where the outputs fill whole
+    256-row tiles, in 32-row blocks always, in 64-row blocks where ``blocks`` (the blocks
+    expected to hold rows) over ``sms`` programs at once take enough fewer rounds of tiles."""
+    cols = tile_cols(gated)
+    if n_out % (cols * 4) or block_m > SMALL_BLOCK_M:
+        return CONSUMERS
+    if block_m <= TINY_BLOCK_M:
+        return 4
+
+    def rounds(nc: int) -> int:
+        return math.ceil(blocks * cdiv(n_out, cols * nc) / sms)
+
+    return 4 if rounds(4) * 4 * _FOUR_SLOWER < rounds(CONSUMERS) * CONSUMERS else CONSUMERS
 
 
 # A consumer's K steps per wait for all its MMAs (_consume's STEPS_PER_WAIT; the steps of a
@@ -125,12 +145,13 @@ def _stages(block_m: int, gated: bool, nc: int) -> int:
     blocks: GEMM1 (gated) 4 slots, 225 KB (T=4096 1914-1915 -> 1899-1904 µs against 3); GEMM2 3,
     with four it would need 232 KiB with its epilogue's scratch. 64-row blocks: 6, 189-205 KB
     (T=256 831-834 -> 821-823 µs against 4; T=4096 earlier: 3 slots 2840 against 4 2786, 5 2544
-    against 4 2526). 32-row blocks: 10 (221 KB), GEMM2 9 (217 KB); with four consumers (``nc``),
-    whose slots hold 16 KiB of weights, not 12: 8 (219 KB) and 7 (217 KB)."""
+    against 4 2526). 32-row blocks: 10 (221 KB), GEMM2 9 (217 KB). With four consumers (``nc``),
+    whose slots hold 16 KiB of weights, not 12: 32-row blocks 8 (219 KB) and 7 (217 KB), 64-row
+    ones 5 (186 / 209 KB)."""
     if block_m <= TINY_BLOCK_M:
         return (10 if gated else 9) if nc == 3 else (8 if gated else 7)
     if block_m <= SMALL_BLOCK_M:
-        return 6
+        return 6 if nc == 3 else 5
     return 4 if gated else 3
 
 
@@ -470,7 +491,7 @@ def _moe_gemm_sm90_ws(
     gl.static_assert(gl.num_warps() == 4)  # the first consumer warpgroup
     # The rows the MMA widths cover (TINY_BLOCK_M, SMALL_BLOCK_M, BLOCK_M).
     gl.static_assert((BLOCK_M == TINY_BLOCK_M) | (BLOCK_M == 64) | (BLOCK_M == 160))
-    gl.static_assert((NC == 3) | ((NC == 4) & (BLOCK_M == TINY_BLOCK_M)))  # consumers(), the partition lists
+    gl.static_assert((NC == 3) | ((NC == 4) & (BLOCK_M <= 64)))  # consumers(), the partition lists
     # ptx_hints adds the qualifier to copies and loads after compilation; as a parameter it keys
     # the binary caches.
     gl.static_assert(L2_PREFETCH_BYTES == 128)
@@ -648,15 +669,17 @@ def fits(weights: MoEWeights, pairs: int, hidden: int, inter: int) -> bool:
                     for w in (weights.w13, weights.w2)))
 
 
-def launch(args: tuple, common: dict, num_blocks: int, n_out: int, block_m: int, dot_order_out: bool) -> None:
+def launch(args: tuple, common: dict, num_blocks: int, expected_blocks: float, n_out: int, block_m: int,
+           dot_order_out: bool) -> None:
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
-    them. ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when
-    GEMM2 reads it as it is)."""
-    nc = consumers(block_m, n_out, common["GATED"])
+    them; ``num_blocks`` the routing's blocks, ``expected_blocks`` how many of them a random
+    routing fills (:func:`mxfx.kernels.routing.expected_blocks`). ``dot_order_out``: store the output in dot order, padded (GEMM1's
+    intermediate, when GEMM2 reads it as it is)."""
+    device = args[0].device
+    nc = consumers(block_m, n_out, common["GATED"], expected_blocks, num_sms(device))
     maxnreg, consumer_regs, producer_regs = (_MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS) if nc == 3 else _REGS4
     num_tiles = num_blocks * cdiv(n_out, tile_cols(common["GATED"]) * nc)
     split = splits(block_m)
-    device = args[0].device
     # Per tile and consumer, over 128 where its weights have a larger scale (SPLIT), for the redo.
     flags = torch.empty(num_tiles * nc, dtype=torch.int32, device=device) if split else args[0]
     GEMM_SM90_WS[(min(num_tiles, num_sms(device)),)](

@@ -23,6 +23,7 @@ own block with no kernel at all: the GEMMs then read the ids themselves.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -48,6 +49,25 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the blocks of ``block_m`` rows any routing of ``num_pairs`` pairs needs."""
     # Each non-empty expert pads by at most block_m - 1 rows.
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def expected_blocks(num_pairs: int, num_experts: int, block_m: int) -> float:
+    """The blocks of ``block_m`` rows the pairs are expected to take when each goes to an expert
+    drawn uniformly (a host-side estimate for grid choices; the routing allocates
+    :func:`max_blocks`). An expert's rows are Binomial(num_pairs, 1/num_experts): a first block
+    if it has any, and one more past each ``block_m`` rows (normal approximation), which is what
+    fills an extra round of tiles when the mean is just under a block."""
+    if not num_pairs or not num_experts:
+        return 0.0
+    p = 1 / num_experts
+    mean, sd = num_pairs * p, math.sqrt(num_pairs * p * (1 - p))
+    per_expert = 1 - (1 - p) ** num_pairs
+    j = 1
+    while j * block_m < mean + 8 * sd:
+        edge = j * block_m + 0.5 - mean  # rows over j blocks' worth, with continuity
+        per_expert += 0.5 * math.erfc(edge / (sd * math.sqrt(2))) if sd else float(edge < 0)
+        j += 1
+    return num_experts * per_expert
 
 
 @triton.jit

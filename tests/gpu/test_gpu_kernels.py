@@ -363,6 +363,9 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
         (44, 4, 2880, 256, 2, GPT_OSS, 32, (4, 3)),
         (40, 4, 512, 384, 2, minimax_m3(1.702, 1.0, 7.0), 32, (4, 4)),
         (48, 4, 512, 352, 2, SILU_AND_MUL, 32, (3, 4)),
+        # In 64-row blocks where they take fewer rounds of tiles (132 SMs): 3 against 2, 2 against 1.
+        (130, 8, 512, 4096, 2, GPT_OSS, 64, (4, 3)),
+        (130, 8, 4096, 512, 2, SILU_AND_MUL, 64, (3, 4)),
         (1000, 4, 160, 224, 2, SILU_AND_MUL, 160, (3, 3)),  # ~500 rows per expert: 160-row blocks and a 32-wide tail
     ],
 )
@@ -380,6 +383,7 @@ def test_warp_specialized_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act
         pytest.skip("needs a Hopper GPU")
     for replayer in (moe._FUSED, moe._UNFUSED):
         monkeypatch.setattr(replayer, "_plans", {})
+    monkeypatch.setattr(moe_sm90_ws, "num_sms", lambda device: 132)  # an H100 / H200 SXM's: ``nc``
     calls = _spy(monkeypatch, moe_sm90_ws.GEMM_SM90_WS)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, one_expert=k == 1 and E == 4)
     split = block_m <= 64
