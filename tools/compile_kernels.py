@@ -21,7 +21,7 @@ registers that some path leaves unwritten) fails with ``MiscompiledKernel``.
 
     python tools/compile_kernels.py [--target cuda:90 hip:gfx942 ...] [--json]
     python tools/compile_kernels.py --target cuda:90 --sass --hidden 2880 --intermediate 2880
-    python tools/compile_kernels.py --target cuda:90 --hidden 2048 --intermediate 768 --match "_ws .*'NC': 4"
+    python tools/compile_kernels.py --target cuda:90 --hidden 1024 --intermediate 512 --match "_ws .*'NC': 4"
 """
 from __future__ import annotations
 

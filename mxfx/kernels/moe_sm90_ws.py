@@ -5,8 +5,8 @@ warp-specialized, for MXFP4 weights and bfloat16 activations.
 the same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whose weight fragments
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
 K permuted inside each 128-wide step. What differs is the data flow. A tile is 64 weight rows
-per consumer warpgroup (32 outputs of a gated GEMM), 192 rows with the three consumers, over
-blocks of up to :data:`BLOCK_M` activation rows (or :data:`SMALL_BLOCK_M`,
+per consumer warpgroup (32 outputs of a gated GEMM), 192 rows with three consumers, 256 with
+four (:func:`consumers`), over blocks of up to :data:`BLOCK_M` activation rows (or :data:`SMALL_BLOCK_M`,
 :data:`TINY_BLOCK_M`). The kernel is persistent: one program per SM takes tiles
 ``pid, pid + grid, ...`` and its ring runs on from
 tile to tile, so the producer copies the next tile's first steps while the consumers finish
@@ -673,8 +673,8 @@ def launch(args: tuple, common: dict, num_blocks: int, expected_blocks: float, n
            dot_order_out: bool) -> None:
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
     them; ``num_blocks`` the routing's blocks, ``expected_blocks`` how many of them a random
-    routing fills (:func:`mxfx.kernels.routing.expected_blocks`). ``dot_order_out``: store the output in dot order, padded (GEMM1's
-    intermediate, when GEMM2 reads it as it is)."""
+    routing fills (:func:`mxfx.kernels.routing.expected_blocks`). ``dot_order_out``: store the
+    output in dot order, padded (GEMM1's intermediate, when GEMM2 reads it as it is)."""
     device = args[0].device
     nc = consumers(block_m, n_out, common["GATED"], expected_blocks, num_sms(device))
     maxnreg, consumer_regs, producer_regs = (_MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS) if nc == 3 else _REGS4
