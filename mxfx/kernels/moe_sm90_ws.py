@@ -6,13 +6,12 @@ the same GEMM1 (gated) and GEMM2 epilogues as :mod:`mxfx.kernels.moe_sm90`, whos
 it shares: a warpgroup unpacks 64 weight rows straight into wgmma A fragments, with the dot's
 K permuted inside each 128-wide step. What differs is the data flow. A tile is 64 weight rows
 per consumer warpgroup (32 outputs of a gated GEMM), 192 rows with three consumers, 256 with
-four (:func:`consumers`), over blocks of up to :data:`BLOCK_M` activation rows (or :data:`SMALL_BLOCK_M`,
-:data:`TINY_BLOCK_M`). The kernel is persistent: one program per SM takes tiles
-``pid, pid + grid, ...`` and its ring runs on from
-tile to tile, so the producer copies the next tile's first steps while the consumers finish
-the last ones and run the epilogue (one program per tile, with the ring filled afresh each
-time: T=1024 1216 -> 1180 µs, T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). The
-partitions:
+four (:func:`consumers`), over blocks of up to :data:`BLOCK_M` activation rows (or
+:data:`SMALL_BLOCK_M`, :data:`TINY_BLOCK_M`). The kernel is persistent: one program per SM
+takes tiles ``pid, pid + grid, ...`` and its ring runs on from tile to tile, so the producer
+copies the next tile's first steps while the consumers finish the last ones and run the
+epilogue (one program per tile, with the ring filled afresh each time: T=1024 1216 -> 1180 µs,
+T=2048 ~1560 -> 1535, T=4096 2355-2549 -> 2351-2397). The partitions:
 
 - A producer (4 warps) copies each K step's packed weight words and the block's activation
   rows into a ``STAGES``-slot shared-memory ring with cp.async, signalling a per-slot mbarrier
@@ -676,13 +675,14 @@ def launch(args: tuple, common: dict, num_blocks: int, expected_blocks: float, n
     routing fills (:func:`mxfx.kernels.routing.expected_blocks`). ``dot_order_out``: store the
     output in dot order, padded (GEMM1's intermediate, when GEMM2 reads it as it is)."""
     device = args[0].device
-    nc = consumers(block_m, n_out, common["GATED"], expected_blocks, num_sms(device))
+    sms = num_sms(device)
+    nc = consumers(block_m, n_out, common["GATED"], expected_blocks, sms)
     maxnreg, consumer_regs, producer_regs = (_MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS) if nc == 3 else _REGS4
     num_tiles = num_blocks * cdiv(n_out, tile_cols(common["GATED"]) * nc)
     split = splits(block_m)
     # Per tile and consumer, over 128 where its weights have a larger scale (SPLIT), for the redo.
     flags = torch.empty(num_tiles * nc, dtype=torch.int32, device=device) if split else args[0]
-    GEMM_SM90_WS[(min(num_tiles, num_sms(device)),)](
+    GEMM_SM90_WS[(min(num_tiles, sms),)](
         *args, num_tiles, flags, **common, BLOCK_M=block_m, STAGES=_stages(block_m, common["GATED"], nc),
         DOT_ORDER_OUT=dot_order_out, SPLIT=split, NC=nc, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, L2_PREFETCH_BYTES=128, num_warps=4, num_stages=1, maxnreg=maxnreg)
