@@ -21,7 +21,7 @@ from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_portable, moe_sm90, moe_sm90_ws, mx, sm90_tile
 from mxfx.kernels.launch import cdiv, next_power_of_2, num_sms
 from mxfx.kernels.replay import Replayer
-from mxfx.kernels.routing import Routing, align, expected_blocks, per_pair
+from mxfx.kernels.routing import Routing, align, blocks_pmf, per_pair
 
 
 class GemmConfig(NamedTuple):
@@ -177,8 +177,8 @@ def _gemm(
         ROUTE_WEIGHT=route_weights is not None,
     )
     if cfg.ws:
-        expected = expected_blocks(routing.num_pairs, w.shape[0], cfg.block_m)
-        moe_sm90_ws.launch(args, common, num_blocks, expected, n_out, cfg.block_m,
+        blocks = blocks_pmf(routing.num_pairs, w.shape[0], cfg.block_m)
+        moe_sm90_ws.launch(args, common, num_blocks, blocks, n_out, cfg.block_m,
                            dot_order_out=gated and aq.fmt == "none")
         return
     if cfg.sm90 and quantized:

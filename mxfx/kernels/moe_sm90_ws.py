@@ -62,6 +62,7 @@ intermediate in natural order.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import triton
@@ -102,11 +103,12 @@ CONSUMERS, _MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS = 3, 128, 160, 40
 # T=256 1435-1438 / 1436-1437. 64-row blocks: a four-consumer program goes through fewer weight
 # rows a second than a three-consumer one (fewer registers and ring slots), and wins only where
 # it takes fewer rounds of tiles: Mixtral-8x7B T=128 445-448 / 411-419, T=192 516-518 / 466-471
-# (8 blocks: GEMM2 176 tiles of 192 rows on 132 SMs, two rounds, against 128 of 256, one), but
-# T=224 549-551 / 566-568 (56 rows per expert: about one expert in eight takes a second block,
-# and 9 blocks take two rounds either way: routing.expected_blocks); Qwen3-30B-A3B T=512 229-231
-# / 238, MiniMax-M3 T=1024 2010-2015 / 2042-2085 (128 blocks: as many rounds either way;
-# _FOUR_SLOWER). Where 192-row tiles fit and 256-row ones do not
+# (8 blocks: GEMM2 176 tiles of 192 rows on 132 SMs, two rounds, against 128 of 256, one), T=208
+# 532-536 / 480-482 (one routing in five takes a ninth block), T=216 542-548 / 511-515, but
+# T=224 542-544 / 558-559 (9 blocks or more three times in five, two rounds either way: hence
+# the expected rounds over routing.blocks_pmf, not the rounds of the mean); Qwen3-30B-A3B T=512
+# 229-231 / 238, T=896 288-289 / 299-304, MiniMax-M3 T=1024 2010-2015 / 2042-2085 (as many
+# rounds either way; _FOUR_SLOWER). Where 192-row tiles fit and 256-row ones do not
 # (gpt-oss: 5760 and 2880 outputs), four lose (session 32: gpt-oss-120b T=256 683-687 / 720-721).
 _REGS4 = (96, 112, 32)
 # A four-consumer tile's time in 64-row blocks over 4/3 of a three-consumer one's: 2-4 % where
@@ -114,19 +116,20 @@ _REGS4 = (96, 112, 32)
 _FOUR_SLOWER = 1.05
 
 
-def consumers(block_m: int, n_out: int, gated: bool, blocks: float, sms: int) -> int:
+def consumers(block_m: int, n_out: int, gated: bool, blocks: Sequence[tuple[int, float]], sms: int) -> int:
     """Consumer warpgroups (64 weight rows each) per program for a GEMM of ``n_out`` outputs
     (columns) in blocks of ``block_m`` rows (see _REGS4): four where the outputs fill whole
-    256-row tiles, in 32-row blocks always, in 64-row blocks where ``blocks`` (the blocks
-    expected to hold rows) over ``sms`` programs at once take enough fewer rounds of tiles."""
+    256-row tiles, in 32-row blocks always, in 64-row blocks where they take enough fewer rounds
+    of tiles over ``sms`` programs at once, in expectation over ``blocks``: (blocks holding
+    rows, probability) pairs (:func:`mxfx.kernels.routing.blocks_pmf`)."""
     cols = tile_cols(gated)
     if n_out % (cols * 4) or block_m > SMALL_BLOCK_M:
         return CONSUMERS
     if block_m <= TINY_BLOCK_M:
         return 4
 
-    def rounds(nc: int) -> int:
-        return math.ceil(blocks * cdiv(n_out, cols * nc) / sms)
+    def rounds(nc: int) -> float:
+        return sum(p * math.ceil(b * cdiv(n_out, cols * nc) / sms) for b, p in blocks)
 
     return 4 if rounds(4) * 4 * _FOUR_SLOWER < rounds(CONSUMERS) * CONSUMERS else CONSUMERS
 
@@ -668,15 +671,16 @@ def fits(weights: MoEWeights, pairs: int, hidden: int, inter: int) -> bool:
                     for w in (weights.w13, weights.w2)))
 
 
-def launch(args: tuple, common: dict, num_blocks: int, expected_blocks: float, n_out: int, block_m: int,
-           dot_order_out: bool) -> None:
+def launch(args: tuple, common: dict, num_blocks: int, blocks: Sequence[tuple[int, float]], n_out: int,
+           block_m: int, dot_order_out: bool) -> None:
     """One GEMM on dot-ordered activations; ``args`` and ``common`` as ``moe._gemm`` builds
-    them; ``num_blocks`` the routing's blocks, ``expected_blocks`` how many of them a random
-    routing fills (:func:`mxfx.kernels.routing.expected_blocks`). ``dot_order_out``: store the
-    output in dot order, padded (GEMM1's intermediate, when GEMM2 reads it as it is)."""
+    them; ``num_blocks`` the routing's blocks, ``blocks`` how many of them a random routing
+    fills, as (blocks, probability) pairs (:func:`mxfx.kernels.routing.blocks_pmf`).
+    ``dot_order_out``: store the output in dot order, padded (GEMM1's intermediate, when GEMM2
+    reads it as it is)."""
     device = args[0].device
     sms = num_sms(device)
-    nc = consumers(block_m, n_out, common["GATED"], expected_blocks, sms)
+    nc = consumers(block_m, n_out, common["GATED"], blocks, sms)
     maxnreg, consumer_regs, producer_regs = (_MAXNREG, _CONSUMER_REGS, _PRODUCER_REGS) if nc == 3 else _REGS4
     num_tiles = num_blocks * cdiv(n_out, tile_cols(common["GATED"]) * nc)
     split = splits(block_m)

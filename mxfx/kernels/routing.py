@@ -23,6 +23,7 @@ own block with no kernel at all: the GEMMs then read the ids themselves.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -51,23 +52,49 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-def expected_blocks(num_pairs: int, num_experts: int, block_m: int) -> float:
-    """The blocks of ``block_m`` rows the pairs are expected to take when each goes to an expert
-    drawn uniformly (a host-side estimate for grid choices; the routing allocates
-    :func:`max_blocks`). An expert's rows are Binomial(num_pairs, 1/num_experts): a first block
-    if it has any, and one more past each ``block_m`` rows (normal approximation), which is what
-    fills an extra round of tiles when the mean is just under a block."""
+@functools.lru_cache(maxsize=256)
+def blocks_pmf(num_pairs: int, num_experts: int, block_m: int) -> tuple[tuple[int, float], ...]:
+    """The distribution of the blocks of ``block_m`` rows that the pairs take when each goes to
+    an expert drawn uniformly: ``(blocks, probability)`` in increasing order of blocks, within
+    the bounds any routing keeps (:func:`max_blocks`), the probabilities summing to 1 (less what
+    falls under 1e-12). A host-side estimate for grid choices at several rows per expert. An
+    expert's rows are Binomial(num_pairs, 1/num_experts) (normal approximation past the first
+    block) and the experts are taken as independent, which spreads the distribution a little
+    (at 56 rows per expert over 8 experts, 0.11 in total variation against random routings;
+    the mean within 1 %). The distribution rather than its mean, since a GEMM's rounds of tiles
+    over the SMs jump where the blocks cross a multiple: when one routing in four takes a ninth
+    block, three in four still take one round less."""
     if not num_pairs or not num_experts:
-        return 0.0
+        return ((0, 1.0),)
     p = 1 / num_experts
     mean, sd = num_pairs * p, math.sqrt(num_pairs * p * (1 - p))
-    per_expert = 1 - (1 - p) ** num_pairs
-    j = 1
-    while j * block_m < mean + 8 * sd:
-        edge = j * block_m + 0.5 - mean  # rows over j blocks' worth, with continuity
-        per_expert += 0.5 * math.erfc(edge / (sd * math.sqrt(2))) if sd else float(edge < 0)
-        j += 1
-    return num_experts * per_expert
+    at_least = [1.0, 1 - (1 - p) ** num_pairs]  # P(an expert takes >= j blocks)
+    while (len(at_least) - 1) * block_m < mean + 8 * sd:
+        edge = (len(at_least) - 1) * block_m + 0.5 - mean  # rows over j blocks' worth, with continuity
+        at_least.append(0.5 * math.erfc(edge / (sd * math.sqrt(2))) if sd else float(edge < 0))
+    at_least.append(0.0)
+    one = {j: at_least[j] - at_least[j + 1] for j in range(len(at_least) - 1)}
+    total: dict[int, float] = {0: 1.0}
+    e = num_experts
+    while e:  # the sum over the experts, by doubling
+        if e & 1:
+            total = _convolve(total, one)
+        one, e = _convolve(one, one), e >> 1
+    # Independent experts spread the sum wider than a routing can: fold it into its bounds.
+    least, most = cdiv(num_pairs, block_m), max_blocks(num_pairs, num_experts, block_m)
+    clamped: dict[int, float] = {}
+    for b, q in total.items():
+        clamped[min(max(b, least), most)] = clamped.get(min(max(b, least), most), 0.0) + q
+    return tuple(sorted(clamped.items()))
+
+
+def _convolve(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for i, p in a.items():
+        for j, q in b.items():
+            if p * q > 1e-12:
+                out[i + j] = out.get(i + j, 0.0) + p * q
+    return out
 
 
 @triton.jit
