@@ -84,7 +84,8 @@ def blocks_pmf(num_pairs: int, num_experts: int, block_m: int) -> tuple[tuple[in
     least, most = cdiv(num_pairs, block_m), max_blocks(num_pairs, num_experts, block_m)
     clamped: dict[int, float] = {}
     for b, q in total.items():
-        clamped[min(max(b, least), most)] = clamped.get(min(max(b, least), most), 0.0) + q
+        b = min(max(b, least), most)
+        clamped[b] = clamped.get(b, 0.0) + q
     return tuple(sorted(clamped.items()))
 
 
