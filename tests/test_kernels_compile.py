@@ -65,6 +65,25 @@ def test_serialized_wgmma_is_read_from_the_ptxas_log():
     assert json.loads(r.stdout.splitlines()[-1]) == [[log[0].strip()], []]
 
 
+def test_a_failed_compile_reports_the_error_inside_the_call():
+    # What Gluon raises for a bad layout in a called function: a CompilationError whose last
+    # line is the caret under the call, caused by the one that says what is wrong.
+    code = ("import compile_kernels as c\n"
+            "def fail(suppress):\n"
+            "    try:\n"
+            "        try:\n"
+            "            raise ValueError('rank must be equal to or one less than the shape size')\n"
+            "        except ValueError as inner:\n"
+            "            raise RuntimeError('at 12:4:\\n    _program(pid)\\n    ^') from (None if suppress else inner)\n"
+            "    except RuntimeError as e:\n"
+            "        return c.failure(e)\n"
+            "print(fail(False)); print(fail(True))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TOOL.parent, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-2:] == ["ValueError: rank must be equal to or one less than the shape size",
+                                          "RuntimeError: ^"]
+
+
 def test_sass_opcodes_are_read_past_4096_instructions():
     # nvdisasm -c: past byte 0xfff0 (instruction 4096) an address takes five hex digits; the
     # warp-specialized kernels run to 25,000 instructions (the tool once stopped at 4,096).

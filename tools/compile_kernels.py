@@ -217,6 +217,19 @@ def loop_sass(cubin: bytes, top: int = 8) -> dict:
     return {"loop_instructions": len(ops), "top": collections.Counter(ops).most_common(top)}
 
 
+def failure(e: BaseException) -> str:
+    """A failed compile's report: the innermost cause's type and last line, as a traceback
+    ends (Gluon's CompilationError of a call ends with the caret under the call; the error
+    inside it says what went wrong)."""
+    while True:
+        inner = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
+        if inner is None:
+            break
+        e = inner
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[-1].strip()[:300]}"
+
+
 def _describe(kernel, args, meta) -> str:
     consts = {k: v for k, v in meta.items() if k not in _OPTIONS}
     dtypes = sorted({str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)})
@@ -262,7 +275,7 @@ def main(argv=None) -> int:
                     row.update(loop_sass(compiled.asm["cubin"]))
             except Exception as e:  # every failure is reported, then the exit status says so
                 failed += 1
-                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+                row["error"] = failure(e)
             status = f"FAIL {row['error']}" if "error" in row else f"ok   smem {row['shared']}"
             if "serialized_wgmma" in row:
                 status += " WGMMA SERIALIZED"
