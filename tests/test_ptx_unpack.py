@@ -129,9 +129,10 @@ def test_ptx_text_matches_formats(name):
 
 
 def test_split_unpack_order_is_the_activations_order():
-    """The mma.sync path re-pairs the activations by ``sm90_tile.SPLIT_PERM``: it must put each
-    element where :data:`sm90_tile.UNPACK_SPLIT` puts that element's weight (the Gluon kernels
-    run only on the GPU; this catches a mismatch without one)."""
+    """The mma.sync path re-pairs the activations by ``sm90_tile.SPLIT_PERM`` (grouped blocks,
+    in registers) or stores them at ``sm90_tile.paired_position`` (per-pair blocks' rows): each
+    must put an element where :data:`sm90_tile.UNPACK_SPLIT` puts that element's weight (the
+    Gluon kernels run only on the GPU; this catches a mismatch without one)."""
     perm = sm90_tile.SPLIT_PERM.value
     assert perm[:4] == [0, 1, 2, 3] and sorted(perm[4:]) == [4, 5, 6]
     for n in range(8):
@@ -142,6 +143,7 @@ def test_split_unpack_order_is_the_activations_order():
         bits = [(n >> 2) & 1, (n >> 1) & 1, n & 1]  # dims 4, 5, 6 of the natural view
         want = sum(bits[perm[4 + d] - 4] << (2 - d) for d in range(3))
         assert got == [want], (n, got, want)
+        assert sm90_tile.paired_position.fn(n + 8) == 8 + want, n
 
 
 @pytest.fixture

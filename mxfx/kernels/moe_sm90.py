@@ -161,16 +161,20 @@ def _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, xo, k0, k_end, MASKED: 
 
 @gluon.jit
 def _mma_step(acc, smax, w, s, x, x_smem, tables, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WL: gl.constexpr,
-              A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr):
+              A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr,
+              X_PAIRED: gl.constexpr = False):
     """Unpack one K step's weights into the A fragment, bring its activations in the same K
     order (B fragments in registers, or staged in ``x_smem``), ``acc += W @ X^T``.
     ``SMALL_SCALES`` (mma.sync only): by the unpack that is exact for scales up to 128, and
-    ``smax`` keeps the largest scale it took, for the caller to check."""
+    ``smax`` keeps the largest scale it took, for the caller to check. ``X_PAIRED`` (mma.sync
+    only): ``x`` is in the paired order already (:func:`sm90_tile.paired_position`), else it is
+    paired here, a register permute per B register."""
     a = tile.unpack_a(w, s, tables, 64, BLOCK_K, WL, A_L, SYNC_MMA, SMALL_SCALES)
     if SMALL_SCALES:
         smax = gl.maximum(smax, s)
     if SYNC_MMA:  # each lane loaded its B fragments: they move only within its registers
-        b = gl.convert_layout(gl.permute(tile.to_dot_order(tile.split_order(x), BLOCK_M, BLOCK_K), [1, 0]), B_L,
+        xs = x if X_PAIRED else tile.split_order(x)
+        b = gl.convert_layout(gl.permute(tile.to_dot_order(xs, BLOCK_M, BLOCK_K), [1, 0]), B_L,
                               assert_trivial=True)
         return mma_v2(a, b, acc), smax
     else:
@@ -225,13 +229,16 @@ def _x_row_layout(NI):
 def _x_row_to_smem(a_ptr, row, k_lo, k_end, NS: gl.constexpr, NI: gl.constexpr):
     """A per-pair block's one activation row, K from ``k_lo`` (zeros from ``k_end`` on), in
     shared memory as ``[NS', 128 NI]`` (NS' >= NS steps), for every lane to read in the K
-    loop: no activation registers carried from one step to the next."""
+    loop: no activation registers carried from one step to the next. In the paired order
+    (:func:`sm90_tile.paired_position`): paired here once, not in every step by every lane
+    (a tenth of the per-pair K loop's instructions)."""
     NSP: gl.constexpr = _pow2_at_least(NS)
     XR: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
     kk = gl.arange(0, NSP * 128 * NI, layout=XR)
     XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     x_all = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [NSP * 128 * NI], XS)
-    x_all.store(gl.load(a_ptr + row + (k_lo + kk), mask=k_lo + kk < k_end, other=0.0))
+    xr = gl.load(a_ptr + row + (k_lo + kk), mask=k_lo + kk < k_end, other=0.0)
+    x_all.store(gl.convert_layout(tile.to_paired(xr), XR))
     return x_all._reinterpret(a_ptr.dtype.element_ty, [NSP, 128 * NI], XS)
 
 
@@ -350,13 +357,13 @@ def _k_loop_x_row(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, 
             for j in gl.static_range(STAGES):
                 w, s = bufs[0]
                 acc, smax = _mma_step(acc, smax, w, s, _x_row_step(x_all, it * STAGES + j, BLOCK_M, NI, XL), 0, tables,
-                                      BLOCK_M, BLOCK_K, WL, A_L, B_L, True, SMALL_SCALES)
+                                      BLOCK_M, BLOCK_K, WL, A_L, B_L, True, SMALL_SCALES, True)
                 bufs = bufs[1:] + (_load_w(w_rows, s_rows, wc, sg, k_lo + (it * STAGES + j + STAGES) * BLOCK_K,
                                            k_end, False),)
     for j in gl.static_range(STAGES * ITER, NS):
         w, s = bufs[0]
         acc, smax = _mma_step(acc, smax, w, s, _x_row_step(x_all, j, BLOCK_M, NI, XL), 0, tables, BLOCK_M, BLOCK_K, WL,
-                              A_L, B_L, True, SMALL_SCALES)
+                              A_L, B_L, True, SMALL_SCALES, True)
         bufs = bufs[1:]
         if j + STAGES < NS:
             bufs = bufs + (_load_w(w_rows, s_rows, wc, sg, k_lo + (j + STAGES) * BLOCK_K, k_end,

@@ -171,6 +171,22 @@ def split_order(x):
 
 
 @gluon.jit
+def paired_position(n):
+    """Where natural K offset ``n`` sits in the paired order: within each 8 values, value
+    ``4h + r`` at ``2r + h``, so that a register of two bf16 holds the K pair that
+    :data:`UNPACK_SPLIT`'s words pair (:func:`split_order`'s order, read with no permute)."""
+    return n - n % 8 + 2 * (n % 4) + (n % 8) // 4
+
+
+@gluon.jit
+def to_paired(v):
+    """A row ``[N]`` (N a multiple of 8) in natural K order → the paired order
+    (:func:`paired_position`)."""
+    N: gl.constexpr = v.shape[0]
+    return gl.reshape(gl.permute(gl.reshape(v, [N // 8, 2, 2, 2]), [0, 2, 3, 1]), [N])
+
+
+@gluon.jit
 def x3(v):
     """``[R]`` → ``[R, 1, 1]``."""
     return gl.expand_dims(gl.expand_dims(v, 1), 2)
@@ -257,7 +273,7 @@ def dot_position(n, SPLIT: gl.constexpr = False):
     :func:`split_order`)."""
     k = n % 128
     if SPLIT:
-        k = k - k % 8 + 2 * (k % 4) + (k % 8) // 4
+        k = paired_position(k)
     return n - n % 128 + 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
 
 
