@@ -183,7 +183,13 @@ def to_paired(v):
     """A row ``[N]`` (N a multiple of 8) in natural K order → the paired order
     (:func:`paired_position`)."""
     N: gl.constexpr = v.shape[0]
-    return gl.reshape(gl.permute(gl.reshape(v, [N // 8, 2, 2, 2]), [0, 2, 3, 1]), [N])
+    return gl.reshape(gl.permute(gl.reshape(v, [N // 8, 2, 2, 2]), _row_split_perm().value), [N])
+
+
+@gluon.constexpr_function
+def _row_split_perm():
+    """:data:`SPLIT_PERM`'s order of a word's values for a row viewed as ``[N / 8, 2, 2, 2]``."""
+    return [0] + [p - 3 for p in SPLIT_PERM.value[4:]]
 
 
 @gluon.jit
