@@ -614,11 +614,13 @@ def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.co
     if FMT != 0:  # the 32-blocks are contiguous in natural order, not in the dot's
         v = mx.qdq(v, FMT, ROUNDING, BLOCK_R, 128)
     # K offset 32c + 8j + 4b1 + 2b0 + e of a step goes to 32j + 16b1 + 8b0 + 2c + e
-    # (sm90_tile.dot_position: lane c's bytes 4j + 2b1 + b0, nibble e; SPLIT as there).
-    if SPLIT:
-        k = k - k % 8 + 2 * (k % 4) + (k % 8) // 4
-    p = 32 * ((k // 8) % 4) + 16 * ((k // 4) % 2) + 8 * ((k // 2) % 2) + 2 * (k // 32) + k % 2
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + (tl.program_id(1) * 128 + p)[None, :], v, mask=r_ok)
+    # (sm90_tile.dot_position: lane c's bytes 4j + 2b1 + b0, nibble e); SPLIT, as there, to
+    # 32j + 16b0 + 8e + 2c + b1. Permuted in registers so that the stores stay contiguous: the
+    # same permutation as scattered 2-byte stores ran at 0.4 TB/s (H200, T=1024 28.4 µs).
+    v = tl.reshape(v, (BLOCK_R, 4, 4, 2, 2, 2))
+    v = tl.permute(v, (0, 2, 4, 5, 1, 3) if SPLIT else (0, 2, 3, 4, 1, 5))
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + (tl.program_id(1) * 128 + k)[None, :],
+             tl.reshape(v, (BLOCK_R, 128)), mask=r_ok)
 
 
 GEMM_SM90_WS = Launcher(_moe_gemm_sm90_ws)
