@@ -98,6 +98,26 @@ def test_sass_opcodes_are_read_past_4096_instructions():
     assert json.loads(r.stdout.splitlines()[-1]) == ["IMAD.MOV.U32", "STL", "BRA"]
 
 
+def test_dot_order_stores_whole_16_byte_pieces():
+    """dot_order permutes each 128-wide step in registers, so that its stores stay contiguous:
+    the same permutation done by the stores' addresses (2-byte stores, 8 sectors a warp's
+    store) ran at 0.4 TB/s on the H200 against 2.6-4.5 (tools/PERF_LOG.md, session 36)."""
+    code = ("import collections, json, torch, compile_kernels as c\n"
+            "from mxfx.kernels import moe_sm90_ws as ws\n"
+            "x, out = torch.zeros(37, 2880, dtype=torch.bfloat16), torch.zeros(37, 2944, dtype=torch.bfloat16)\n"
+            "stores = {}\n"
+            "for bm in (32, 160):\n"
+            "    k = c.compile_launch(ws._dot_order_kernel, (x, out, 37, 2880, 2880, 2944), dict(BLOCK_R=16, FMT=0,"
+            " ROUNDING=2, SPLIT=ws.splits(bm), num_warps=4), c.parse_target('cuda:90'))\n"
+            "    stores[bm] = collections.Counter(o for o in c._opcodes(c._sass(k.asm['cubin'])) if o.startswith('ST'))\n"
+            "print(json.dumps(stores))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TOOL.parent, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stores = json.loads(r.stdout.splitlines()[-1])
+    for block_m, ops in stores.items():  # 16 rows x 128 bf16 over 128 threads: two 16-byte stores each
+        assert ops.get("STG.E.128", 0) == 2 and set(ops) <= {"STG.E.128", "STS.128"}, (block_m, ops)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_kernel_compiles_for(target, tool_runs):
     r = tool_runs[_tool_args({"target": target})]()
