@@ -37,6 +37,15 @@ def _tool_args(params: dict) -> tuple[str, ...]:
             *(("--match", params["match"]) if "match" in params else ()))
 
 
+def _in_tool_process(code: str, stdin: str = "") -> list[str]:
+    """The stdout lines of ``code`` run in a process of its own beside the tool (importable as
+    ``compile_kernels``): the tool compiles for GPUs, this process interprets kernels."""
+    r = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True,
+                       cwd=TOOL.parent, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.splitlines()
+
+
 @pytest.fixture(scope="module")
 def tool_runs(request):
     """Every tool run the selected tests of this file need, started together and run as many
@@ -56,13 +65,9 @@ def test_serialized_wgmma_is_read_from_the_ptxas_log():
     log = ["ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
            "to insufficient register resources for the function '_moe_gemm_sm90_ws'",
            "ptxas info    : Used 168 registers, used 4 barriers, 48 bytes cumulative stack size"]
-    # In a process of its own: the tool compiles for GPUs, this one interprets kernels.
     code = ("import json, sys; import compile_kernels as c; log = json.load(sys.stdin); "
             "print(json.dumps([c.serialized_wgmma(log), c.serialized_wgmma(log[1:])]))")
-    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(log), capture_output=True, text=True,
-                       cwd=TOOL.parent, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.splitlines()[-1]) == [[log[0].strip()], []]
+    assert json.loads(_in_tool_process(code, json.dumps(log))[-1]) == [[log[0].strip()], []]
 
 
 def test_a_failed_compile_reports_the_error_inside_the_call():
@@ -78,9 +83,7 @@ def test_a_failed_compile_reports_the_error_inside_the_call():
             "    except RuntimeError as e:\n"
             "        return c.failure(e)\n"
             "print(fail(False)); print(fail(True))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TOOL.parent, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.splitlines()[-2:] == ["ValueError: rank must be equal to or one less than the shape size",
+    assert _in_tool_process(code)[-2:] == ["ValueError: rank must be equal to or one less than the shape size",
                                           "RuntimeError: ^"]
 
 
@@ -92,10 +95,7 @@ def test_sass_opcodes_are_read_past_4096_instructions():
             "        /*10000*/              @!P0 STL [R1], R2 ;",
             "        /*1a2b0*/                   BRA `(.L_x_1) ;"]
     code = "import json, sys; import compile_kernels as c; print(json.dumps(c._opcodes(json.load(sys.stdin))))"
-    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(sass), capture_output=True, text=True,
-                       cwd=TOOL.parent, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.splitlines()[-1]) == ["IMAD.MOV.U32", "STL", "BRA"]
+    assert json.loads(_in_tool_process(code, json.dumps(sass))[-1]) == ["IMAD.MOV.U32", "STL", "BRA"]
 
 
 def test_dot_order_stores_whole_16_byte_pieces():
@@ -111,9 +111,7 @@ def test_dot_order_stores_whole_16_byte_pieces():
             " ROUNDING=2, SPLIT=ws.splits(bm), num_warps=4), c.parse_target('cuda:90'))\n"
             "    stores[bm] = collections.Counter(o for o in c._opcodes(c._sass(k.asm['cubin'])) if o.startswith('ST'))\n"
             "print(json.dumps(stores))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TOOL.parent, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    stores = json.loads(r.stdout.splitlines()[-1])
+    stores = json.loads(_in_tool_process(code)[-1])
     for block_m, ops in stores.items():  # 16 rows x 128 bf16 over 128 threads: two 16-byte stores each
         assert ops.get("STG.E.128", 0) == 2 and set(ops) <= {"STG.E.128", "STS.128"}, (block_m, ops)
 
