@@ -76,8 +76,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_sm90, mx, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
-from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, tables_word, tile_cols, tile_row, unpack_a,
-                                    w_layout, weight_rows)
+from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, step_permutation, tables_word, tile_cols,
+                                    tile_row, unpack_a, w_layout, weight_rows)
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
 # expert with up to 160 rows unpacks its weights once. (gpt-oss-120b, H200, 128-row blocks:
@@ -601,6 +601,10 @@ def _redo(gemm, num_tiles, flags_ptr, K: gl.constexpr, A_ROW_DIV: gl.constexpr, 
                                      GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, 8, 64, DOT_ORDER_OUT, SPLIT=True)
 
 
+_STEP_PERM = tl.constexpr(step_permutation(False))
+_STEP_PERM_SPLIT = tl.constexpr(step_permutation(True))
+
+
 @triton.jit
 def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
                       ROUNDING: tl.constexpr, SPLIT: tl.constexpr):
@@ -613,12 +617,10 @@ def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.co
                 mask=r_ok & (tl.program_id(1) * 128 + k < K)[None, :], other=0.0)
     if FMT != 0:  # the 32-blocks are contiguous in natural order, not in the dot's
         v = mx.qdq(v, FMT, ROUNDING, BLOCK_R, 128)
-    # K offset 32c + 8j + 4b1 + 2b0 + e of a step goes to 32j + 16b1 + 8b0 + 2c + e
-    # (sm90_tile.dot_position: lane c's bytes 4j + 2b1 + b0, nibble e); SPLIT, as there, to
-    # 32j + 16b0 + 8e + 2c + b1. Permuted in registers so that the stores stay contiguous: the
+    # Permuted in registers (sm90_tile.step_permutation) so that the stores stay contiguous: the
     # same permutation as scattered 2-byte stores ran at 0.4 TB/s (H200, T=1024 28.4 µs).
     v = tl.reshape(v, (BLOCK_R, 4, 4, 2, 2, 2))
-    v = tl.permute(v, (0, 2, 4, 5, 1, 3) if SPLIT else (0, 2, 3, 4, 1, 5))
+    v = tl.permute(v, _STEP_PERM_SPLIT.value if SPLIT else _STEP_PERM.value)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + (tl.program_id(1) * 128 + k)[None, :],
              tl.reshape(v, (BLOCK_R, 128)), mask=r_ok)
 

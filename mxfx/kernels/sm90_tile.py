@@ -150,8 +150,13 @@ def to_dot_order(v, R: gl.constexpr, BK: gl.constexpr):
     first 32 J columns of a 128-wide step."""
     J: gl.constexpr = 4 if BK >= 128 else BK // 32
     v = gl.reshape(v, [R, BK // (32 * J), 4, J, 2, 2, 2])
-    v = gl.permute(v, [0, 1, 3, 4, 5, 2, 6])
+    v = gl.permute(v, DOT_PERM.value)
     return gl.reshape(v, [R, BK])
+
+
+# to_dot_order's permutation of ``[R, NI, 4, J, 2, 2, 2]`` (row, step, segment c, word j, bits of
+# the byte b and nibble e).
+DOT_PERM = gl.constexpr([0, 1, 3, 4, 5, 2, 6])
 
 
 # UNPACK_SPLIT's value 2r + h of a word is element 4h + r: with a word's 8 values split into
@@ -168,6 +173,16 @@ def split_order(x):
     NI: gl.constexpr = x.shape[1]
     J: gl.constexpr = x.shape[3]
     return gl.reshape(gl.permute(gl.reshape(x, [R, NI, 4, J, 2, 2, 2]), SPLIT_PERM.value), [R, NI, 4, J, 8])
+
+
+def step_permutation(split: bool) -> tuple[int, ...]:
+    """The dot's order of one 128-wide step of rows viewed as ``[R, 4, 4, 2, 2, 2]`` (natural
+    K = 32c + 8j + 4b1 + 2b0 + e), as a permutation of those dims: :data:`DOT_PERM` without its
+    step dim, after :data:`SPLIT_PERM` where ``split`` (for code that is not Gluon, such as
+    ``moe_sm90_ws.dot_order``)."""
+    drop_step = [p - (p > 1) for p in DOT_PERM.value if p != 1]
+    within = [p - 1 for p in SPLIT_PERM.value[1:]] if split else list(range(6))
+    return tuple(within[p] for p in drop_step)
 
 
 @gluon.jit
