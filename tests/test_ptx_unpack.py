@@ -146,6 +146,18 @@ def test_split_unpack_order_is_the_activations_order():
         assert sm90_tile.paired_position.fn(n + 8) == 8 + want, n
 
 
+def test_dot_position_is_the_step_permutation():
+    """Two encodings of the dot's K order: ``sm90_tile.dot_position`` (offsets, where GEMM1's
+    epilogue stores the intermediate and moe_sm90 reads dot-ordered activations) and
+    ``sm90_tile.step_permutation`` (axes, by which ``moe_sm90_ws.dot_order`` permutes x). Both
+    orders, split (``dot_position``'s SPLIT: after ``paired_position``) and not, must agree."""
+    k = torch.arange(128)
+    for split in (False, True):
+        at = torch.arange(128).reshape(1, 4, 4, 2, 2, 2).permute(sm90_tile.step_permutation(split)).reshape(128)
+        pos = sm90_tile.dot_position.fn(sm90_tile.paired_position.fn(k) if split else k, False)
+        assert torch.equal(at[pos], k), split
+
+
 @pytest.fixture
 def ptx_in_interpreter(monkeypatch):
     """The Triton interpreter running inline PTX through :func:`run_ptx`; the kernels take
