@@ -160,6 +160,8 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
     assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
     assert any("'PER_PAIR_E': 4" in row["kernel"] and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
+    # Per-pair GEMM1 in two warpgroups (one token on 132 SMs: moe._halves), at 80 registers.
+    assert any("'HALVES': True" in row["kernel"] and "'GATED': True" in row["kernel"] for row in sm90)
     # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2); on grouped 8-row blocks the routing
     # kernels, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by PDL waits before
     # it reads what the launch before it wrote: GEMM1, the placement and the k-sum at once, GEMM2's

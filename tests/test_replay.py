@@ -274,6 +274,16 @@ def test_gemm2_split_on_hopper_follows_its_grid(pairs, E, H, split):
     assert moe.pick_config(pairs, E, H).split_k2 == 2
 
 
+@pytest.mark.parametrize("programs,k_in,halves", [(360, 2880, True), (792, 2880, True), (793, 2880, False),
+                                                  (896, 4096, False), (12, 160, True), (12, 128, False)])
+def test_per_pair_gemm1_runs_in_halves_while_its_grid_is_small(monkeypatch, programs, k_in, halves):
+    """Per-pair GEMM1 runs each program's K loop in two warpgroups, half the steps each, while
+    its programs (8 warps, 3 per SM) take at most two waves of 132 SMs and K has two steps
+    (gpt-oss-120b T=1: 360 programs; T=2: 720; Mixtral-8x7B T=1: 896, whole)."""
+    monkeypatch.setattr(moe, "num_sms", lambda device: 132)
+    assert moe._halves(programs, k_in, torch.device("cpu")) == halves
+
+
 @pytest.mark.parametrize("pairs,H,I,stages", [(4, 2880, 2880, 4), (8, 2880, 2880, 3), (16, 2048, 768, 4),
                                                 (12, 2048, 2880, 3), (2, 4096, 14336, 3), (16, 128, 32, 4),
                                                 (32, 7168, 2048, 3), (32, 7168, 256, 4)])

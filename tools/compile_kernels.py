@@ -93,7 +93,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     ptx = target.backend == "cuda" and target.arch >= 90
     native = target.arch >= 100 if target.backend == "cuda" else target.arch == "gfx950"
     saved = (launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma,
-             moe.PER_PAIR_REPEAT_BYTES)
+             moe.PER_PAIR_REPEAT_BYTES, moe.num_sms, moe._sync_buffer)
     launch.Launcher._launch = record
     mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
     moe_sm90.runs_on = lambda device: target.backend == "cuda" and target.arch == 90
@@ -124,12 +124,20 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
         ids = torch.arange(80, dtype=torch.int32).reshape(40, k) % 32
         moe.fused_moe(torch.zeros(40, H, dtype=torch.bfloat16), torch.ones(40, k, dtype=torch.bfloat16), ids,
                       _weights(32, H, I, torch.bfloat16, True), GPT_OSS, ActivationQuant())
+        # One token as in a CUDA graph (two launches) on an H200 (132 SMs, not the one counted
+        # here), where per-pair GEMM1 runs each program's K loop in two warpgroups (moe._halves).
+        moe.PER_PAIR_REPEAT_BYTES = saved[4]
+        moe.num_sms = lambda device: 132
+        moe._sync_buffer = lambda x: None
+        moe.fused_moe(torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, k, dtype=torch.bfloat16),
+                      torch.arange(k, dtype=torch.int32).reshape(1, k), _weights(E, H, I, torch.bfloat16, True),
+                      GPT_OSS, ActivationQuant())
         # Routing: one chunk smaller than, one as large as the default, several chunks.
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
     finally:
         (launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma,
-         moe.PER_PAIR_REPEAT_BYTES) = saved
+         moe.PER_PAIR_REPEAT_BYTES, moe.num_sms, moe._sync_buffer) = saved
     return list(launches.values())
 
 

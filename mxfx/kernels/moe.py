@@ -88,7 +88,7 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     # registers / 3 / 4 steps: gpt-oss-120b T=1 31.6-32.3 / 30.7-30.9 / 30.5-30.6, T=2 51.6-51.7 /
     # 47.8-47.9 / 48.6-49.6, T=4 88.0-88.7 / 80.2-80.5 / 82.7-84.0; MiniMax-M3 T=1 51.3-51.8 /
     # 53.8-54.6 / 48.6-48.8, T=2 94.1-94.3 / 85.0-85.7 / 86.5-86.6; Qwen3-30B-A3B T=1 17.5-17.9 /
-    # 18.4-18.5 / 17.3-17.7.
+    # 18.4-18.5 / 17.3-17.7. (A GEMM1 whose K loop runs in two warpgroups takes 3: _halves.)
     x_row_stages = 4 if num_pairs * cdiv(hidden if intermediate is None else intermediate, 32) <= 512 else 3
     if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
         block_m = (moe_sm90_ws.TINY_BLOCK_M.value if rows <= WS_TINY_ROWS else
@@ -185,7 +185,7 @@ def _gemm(
         block_n = sm90_tile.tile_cols(gated)
         # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
         # no overflow checks).
-        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0)
+        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0, HALVES=False)
         if routing.per_pair_experts:
             per_pair.update(debug=True, sanitize_overflow=False, XROW=cfg.x_row_stages)
             if split_k > 1 and cfg.x_row_stages == 4:
@@ -198,6 +198,8 @@ def _gemm(
         if counters is not None:
             count = (counters, counters.numel(), w, 0)
             per_pair.update(COUNTERS=1)
+            if _halves(num_blocks * cdiv(n_out, block_n), k_in, a.device):
+                per_pair.update(HALVES=True, XROW=moe_sm90.HALF_STAGES.value, maxnreg=moe_sm90.HALF_REGS.value)
         if k_sum is not None:
             cnt, summed, topk = k_sum
             count = (cnt, cnt.numel(), summed, summed.stride(0))
@@ -241,6 +243,18 @@ def _gemm(
         # faster). The tl.dot_scaled loop leaves its loads to the pipeliner.
         num_stages=1 if a_mx is None else 3,
     )
+
+
+def _halves(programs: int, k_in: int, device: torch.device) -> bool:
+    """Whether a per-pair GEMM1 of ``programs`` programs over K = ``k_in`` runs each program's
+    K loop in two warpgroups, half the steps each (``moe_sm90._program``'s ``HALVES``): where
+    its programs of 8 warps at 80 registers (3 per SM) take at most two waves. Its K loop waits
+    on the weights: more warps per SM, not fewer instructions, are what it needs. H200, graph
+    µs, min-max of 2 alternating processes, one warpgroup / halves: gpt-oss-120b T=1 (360
+    programs) 26.4-27.3 / 24.7-24.8, T=2 (720) 47.2-48.1 / 45.0; gpt-oss-20b T=1 27.5-27.6 /
+    24.9-25.0; MiniMax-M3 T=1 (384) 46.1-46.6 / 44.2-44.3; Qwen3-30B-A3B T=1 (192) 15.9-16.3 /
+    14.9; Mixtral-8x7B T=1 (896) 68.2-69.3 / 69.8."""
+    return k_in > moe_sm90.BLOCK_K and programs <= 6 * num_sms(device)
 
 
 def _pdl_gemm2(programs: int, steps: int, device: torch.device) -> bool:

@@ -21,7 +21,9 @@ buffers rotate without copies); rows past N are clamped and never stored, so onl
 (with split K, the steps past those the shortest split has whole) is masked. A per-pair block
 (one activation row) keeps its row in shared memory instead, where every lane reads its
 fragments each step, so the registers hold the weights of 3 or 4 steps ahead
-(:func:`_k_loop_x_row`). The mma.sync loops unpack by one multiply per output
+(:func:`_k_loop_x_row`). Where GEMM1's grid is small (a token or two), two warpgroups share
+each of its per-pair tiles, half the K steps each (``HALVES``): twice the warps per SM to wait
+on the weights. The mma.sync loops unpack by one multiply per output
 (:data:`sm90_tile.UNPACK_SPLIT_SMALL`), exact while the weights' scales are at most 128; a
 program that met a larger scale runs its loop again by the unpack exact for every scale
 (:func:`_k_loops_exact`).
@@ -428,6 +430,38 @@ def exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0
                           A_L, B_L, MMA, True)
 
 
+# Registers per thread of a program whose K loop runs in two warpgroups (``HALVES``), and its
+# weights' steps ahead: at 80, three such programs of 8 warps fit an SM (24 warps), and 3 steps
+# ahead compile without spills (sm_90a; 4 steps ahead were slower at T=1 on gpt-oss-120b).
+HALF_REGS = gl.constexpr(80)
+HALF_STAGES = gl.constexpr(3)
+
+
+@gluon.jit
+def _half(hargs, k_lo, k_end, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr,
+          NS: gl.constexpr, A_ROW_DIV: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
+          B_L: gl.constexpr, MMA: gl.constexpr, STORE: gl.constexpr):
+    """One warpgroup's part of a ``HALVES`` program (``hargs``: the tile's runtime values and
+    ``part``, a ``[64, BLOCK_M]`` float32 buffer in shared memory): the per-pair K loop over
+    ``[k_lo, k_end)`` (``NFULL`` unmasked steps of ``NS``), by the exact unpack again where a
+    scale is over 128. Returns ``(acc,)``; ``STORE`` (the second warpgroup) leaves it in ``part``."""
+    (w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am,
+     sorted_ptr, blk, nrows, ready_ptr, part) = hargs
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
+    smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
+    acc, smax = _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                         a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL,
+                         NS, A_ROW_DIV, True, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, True, True)
+    if tile.over_small_scales(smax):
+        acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                             a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
+                             NFULL, NS, A_ROW_DIV, True, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA)
+    if STORE:
+        part.store(acc)
+    return (acc,)
+
+
 @gluon.jit
 def _program(
     pid,
@@ -460,13 +494,15 @@ def _program(
     AQ_ROUNDING: gl.constexpr,
     WAIT: gl.constexpr = 0,
     XROW: gl.constexpr = 0,
+    HALVES: gl.constexpr = False,
 ):
     """Program ``pid`` of the GEMM (the kernels' arguments are documented at
     :func:`_moe_gemm_sm90`). ``WAIT``: before reading its activations, wait until
     ``ready_ptr[block]`` has reached this count, or with ``_PREVIOUS_GRID`` until the grid
     launched before this one has finished (its weights' first loads issued meanwhile).
     ``XROW``: on per-pair blocks, the K loop of :func:`_k_loop_x_row` with the weights this
-    many steps ahead; 0: :func:`_k_loop`'s."""
+    many steps ahead; 0: :func:`_k_loop`'s. ``HALVES``: that loop in two warpgroups, half the K
+    steps each (:func:`_half`; launched with ``HALF_REGS``)."""
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "activation row in shared memory: per-pair mma.sync")
@@ -523,17 +559,33 @@ def _program(
     # largest weight is under 16, or 12 with round-up scales); a program that met a larger scale
     # runs its loop again by the unpack exact for every scale: such weights cost it twice the
     # time, never accuracy.
-    smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
-    acc, smax = _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
-                         a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL,
-                         NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA,
-                         SYNC_MMA)
-    if SYNC_MMA:
-        if tile.over_small_scales(smax):
-            acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
-                                 a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
-                                 NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
-                                 B_L, MMA)
+    if HALVES:
+        # Two warpgroups take the first and second half of the K steps, each with its own copy of
+        # the row in shared memory; the first adds the second's accumulator after the join.
+        gl.static_assert(SPLIT_K == 1 and XROW != 0 and K > BLOCK_K, "halves: per-pair blocks, two K steps or more")
+        KH: gl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + 1) // 2 * BLOCK_K
+        part = gl.allocate_shared_memory(gl.float32, [64, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        hargs = (w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am,
+                 sorted_ptr, blk, nrows, ready_ptr, part)
+        res = gl.warp_specialize([
+            (_half, (hargs, 0, KH, GATED, GATE_STRIDE, KH // BLOCK_K, KH // BLOCK_K, A_ROW_DIV, WAIT, XROW, BLOCK_M,
+                     BLOCK_K, NI, WL, XL, A_L, B_L, MMA, False)),
+            (_half, (hargs, KH, K, GATED, GATE_STRIDE, (K - KH) // BLOCK_K, (K - KH + BLOCK_K - 1) // BLOCK_K,
+                     A_ROW_DIV, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA, True)),
+        ], [4], [HALF_REGS])
+        acc = res[0] + part.load(MMA)
+    else:
+        smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
+        acc, smax = _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
+                             up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED,
+                             GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL,
+                             XL, A_L, B_L, SYNC_MMA, SYNC_MMA)
+        if SYNC_MMA:
+            if tile.over_small_scales(smax):
+                acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
+                                     up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end,
+                                     GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M,
+                                     BLOCK_K, NI, WL, XL, A_L, B_L, MMA)
     tile.epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                   stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
                   ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
@@ -572,11 +624,12 @@ def _moe_gemm_sm90(
     AQ_ROUNDING: gl.constexpr = 0,
     XROW: gl.constexpr = 0,
     PDL: gl.constexpr = 0,
+    HALVES: gl.constexpr = False,
 ):
     """One grouped GEMM launch (``moe._gemm``). ``PDL``: its part in programmatic dependent
     launch, bits ``PDL_TRIGGER`` (the next launch may start at once), ``PDL_WAIT_FIRST`` (GEMM1
     after the routing kernels) or ``PDL_WAIT_LOADS`` (GEMM2, whose first weight loads are issued
-    while GEMM1 runs)."""
+    while GEMM1 runs). ``HALVES``: per-pair programs of 8 warps, see :func:`_program`."""
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert((PDL & PDL_WAIT_FIRST == 0) or (PDL & PDL_WAIT_LOADS == 0), "PDL: one wait")
     if PDL & PDL_WAIT_FIRST:
@@ -588,7 +641,7 @@ def _moe_gemm_sm90(
              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, cnt_ptr, num_cnt, sum_ptr, stride_sum,
              cnt_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, BLOCK_K,
              SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING,
-             _PREVIOUS_GRID if PDL & PDL_WAIT_LOADS else 0, XROW)
+             _PREVIOUS_GRID if PDL & PDL_WAIT_LOADS else 0, XROW, HALVES)
 
 
 @gluon.jit

@@ -473,10 +473,12 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
         assert torch.equal(out, fn(x, tw, ids, W, GPT_OSS, ActivationQuant()))
         monkeypatch.setattr(moe, "_sync_buffer", sync_buffer)
         monkeypatch.setattr(moe._FUSED, "_plans", {})
-    # The activation row in shared memory, the weights 4 steps ahead (T * k * I/32 <= 512);
-    # GEMM2 launched by PDL, GEMM1 letting it start.
-    assert ([(m["PER_PAIR_E"], m["COUNTERS"], m["XROW"], m["PDL"], m["launch_pdl"]) for m in gemms]
-            == [(E, 1, 4, moe_sm90.PDL_TRIGGER.value, False), (E, 2, 4, moe_sm90.PDL_WAIT_LOADS.value, True)]
+    # The activation row in shared memory, the weights 4 steps ahead (T * k * I/32 <= 512), in
+    # GEMM1 3 steps ahead in each of two warpgroups (a small grid: moe._halves); GEMM2 launched by
+    # PDL, GEMM1 letting it start.
+    assert ([(m["PER_PAIR_E"], m["COUNTERS"], m["XROW"], m["HALVES"], m["PDL"], m["launch_pdl"]) for m in gemms]
+            == [(E, 1, 3, True, moe_sm90.PDL_TRIGGER.value, False),
+                (E, 2, 4, False, moe_sm90.PDL_WAIT_LOADS.value, True)]
             and not sums)
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert not out.isnan().any() and _rel_err(out, ref) <= 5e-3
@@ -555,8 +557,9 @@ def test_scales_over_128_are_exact(monkeypatch, path):
     one multiply that is exact only for scales up to 128 (``sm90_tile.UNPACK_SPLIT_SMALL``); a
     program (a consumer's tile) whose weights have a larger scale computes its rows again by
     the exact unpack (in the warp-specialized kernel after its GEMM, ``moe_sm90_ws._redo``,
-    from the dot-ordered activations). Expert 0's GEMM1 weights have large blocks in every row
-    (every GEMM1 tile of it redoes), expert 1's GEMM2 weights in 4 rows (one tile redoes): every
+    from the dot-ordered activations). Expert 0's GEMM1 weights have large blocks in every row,
+    in both halves of K (every GEMM1 tile of it redoes, per pair in both warpgroups of
+    ``moe_sm90._half``), expert 1's GEMM2 weights in 4 rows (one tile redoes): every
     token's output matches emulation, the tokens routed there and the others. 160-row blocks
     unpack exactly in the first place."""
     from mxfx.kernels import moe_sm90, moe_sm90_ws
@@ -574,6 +577,7 @@ def test_scales_over_128_are_exact(monkeypatch, path):
     w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5
     w2 = torch.randn(E, H, I, generator=g, device="cuda") / I**0.5
     w13[0, :, 64:128] *= 2.0**14
+    w13[0, :, 320:352] *= 2.0**14
     w2[1, 68:72, :] *= 2.0**14
     p13, s13 = formats.quantize(w13, "mxfp4", "round_up")
     p2, s2 = formats.quantize(w2, "mxfp4", "round_up")
@@ -588,9 +592,9 @@ def test_scales_over_128_are_exact(monkeypatch, path):
         monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)  # as under capture: two launches
     out = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
-    launched = [(m["SYNC_MMA"], m["PER_PAIR_E"]) for m in gemms]
-    assert launched == {"per pair, one launch": [], "per pair, graph": [(True, E)] * 2,
-                        "8-row blocks": [(True, 0)] * 2}.get(path, []) and len(in_one) == (path == "per pair, one launch")
+    launched = [(m["SYNC_MMA"], m["PER_PAIR_E"], m["HALVES"]) for m in gemms]
+    assert launched == {"per pair, one launch": [], "per pair, graph": [(True, E, True), (True, E, False)],
+                        "8-row blocks": [(True, 0, False)] * 2}.get(path, []) and len(in_one) == (path == "per pair, one launch")
     assert [(m["BLOCK_M"], m["SPLIT"]) for m in ws] == ([(block_m, block_m <= 64)] * 2 if block_m else [])
     assert not out.isnan().any() and out[0].abs().max() > 1e3
     errors = [_rel_err(out[t], ref[t]) for t in range(T) if ref[t].any()]
