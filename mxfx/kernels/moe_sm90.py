@@ -438,25 +438,44 @@ HALF_STAGES = gl.constexpr(3)
 
 
 @gluon.jit
+def _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr,
+                     stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED: gl.constexpr,
+                     GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
+                     PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
+                     B_L: gl.constexpr, MMA: gl.constexpr, SYNC_MMA: gl.constexpr):
+    """:func:`_k_loops` from a zero accumulator. The mma.sync loops unpack by one multiply that
+    is exact for scales up to 128 (32-blocks whose largest weight is under 16, or 12 with
+    round-up scales); where the loop met a larger scale it runs again by the unpack exact for
+    every scale (:func:`_k_loops_exact`): such weights cost it twice the time, never accuracy."""
+    smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
+    acc, smax = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
+                         stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows,
+                         ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW,
+                         BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA, SYNC_MMA)
+    if SYNC_MMA:
+        if tile.over_small_scales(smax):
+            acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                                 a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
+                                 NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
+                                 B_L, MMA)
+    return acc
+
+
+@gluon.jit
 def _half(hargs, k_lo, k_end, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr,
           NS: gl.constexpr, A_ROW_DIV: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
           B_L: gl.constexpr, MMA: gl.constexpr, STORE: gl.constexpr):
     """One warpgroup's part of a ``HALVES`` program (``hargs``: the tile's runtime values and
     ``part``, a ``[64, BLOCK_M]`` float32 buffer in shared memory): the per-pair K loop over
-    ``[k_lo, k_end)`` (``NFULL`` unmasked steps of ``NS``), by the exact unpack again where a
-    scale is over 128. Returns ``(acc,)``; ``STORE`` (the second warpgroup) leaves it in ``part``."""
+    ``[k_lo, k_end)`` (``NFULL`` unmasked steps of ``NS``; :func:`_k_loops_checked`). Returns
+    ``(acc,)``; ``STORE`` (the second warpgroup) leaves it in ``part``."""
     (w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am,
      sorted_ptr, blk, nrows, ready_ptr, part) = hargs
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
-    smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
-    acc, smax = _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
-                         a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL,
-                         NS, A_ROW_DIV, True, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, True, True)
-    if tile.over_small_scales(smax):
-        acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
-                             a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
-                             NFULL, NS, A_ROW_DIV, True, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA)
+    acc = _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr,
+                           stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS,
+                           A_ROW_DIV, True, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA, True)
     if STORE:
         part.store(acc)
     return (acc,)
@@ -542,7 +561,6 @@ def _program(
     nrows = 1 if PER_PAIR_E else gl.load(block_rows_ptr + blk)
     n0 = (pid % num_n) * BLOCK_N
     e64 = expert.to(gl.int64)
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
     if SPLIT_K == 1:
         k_lo = 0
         k_end = K
@@ -555,10 +573,6 @@ def _program(
         # loop runs on those, unmasked, and fully unrolling a long K range costs i-cache.
         NFULL: gl.constexpr = max(K - (SPLIT_K - 1) * K_SPLIT, 0) // BLOCK_K
         NS: gl.constexpr = K_SPLIT // BLOCK_K
-    # The mma.sync loops unpack by one multiply that is exact for scales up to 128 (32-blocks whose
-    # largest weight is under 16, or 12 with round-up scales); a program that met a larger scale
-    # runs its loop again by the unpack exact for every scale: such weights cost it twice the
-    # time, never accuracy.
     if HALVES:
         # Two warpgroups take the first and second half of the K steps, each with its own copy of
         # the row in shared memory; the first adds the second's accumulator after the join.
@@ -575,17 +589,10 @@ def _program(
         ], [4], [HALF_REGS])
         acc = res[0] + part.load(MMA)
     else:
-        smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
-        acc, smax = _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
-                             up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED,
-                             GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL,
-                             XL, A_L, B_L, SYNC_MMA, SYNC_MMA)
-        if SYNC_MMA:
-            if tile.over_small_scales(smax):
-                acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N,
-                                     up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end,
-                                     GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M,
-                                     BLOCK_K, NI, WL, XL, A_L, B_L, MMA)
+        acc = _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
+                               a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
+                               NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
+                               B_L, MMA, SYNC_MMA)
     tile.epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                   stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
                   ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
