@@ -118,20 +118,19 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
                         for fmt in ("mxfp8", "mxfp4"):
                             moe.fused_moe(x, tw, ids, w, GPT_OSS, ActivationQuant(fmt, "even"))
             mx.dequantize_mxfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), dtype)
+        # One token as in a CUDA graph (two launches) on an H200 (132 SMs, not the one counted
+        # here), where per-pair GEMM1 runs each program's K loop in two warpgroups (moe._halves).
+        moe.num_sms = lambda device: 132
+        moe._sync_buffer = lambda x: None
+        moe.fused_moe(torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, k, dtype=torch.bfloat16),
+                      torch.arange(k, dtype=torch.int32).reshape(1, k), _weights(E, H, I, torch.bfloat16, True),
+                      GPT_OSS, ActivationQuant())
         # Grouped 8-row blocks on Hopper (per-pair blocks off; 2.5 rows per expert), the routing
         # in two kernels (80 pairs): a chain of launches by PDL.
         moe.PER_PAIR_REPEAT_BYTES = 0
         ids = torch.arange(80, dtype=torch.int32).reshape(40, k) % 32
         moe.fused_moe(torch.zeros(40, H, dtype=torch.bfloat16), torch.ones(40, k, dtype=torch.bfloat16), ids,
                       _weights(32, H, I, torch.bfloat16, True), GPT_OSS, ActivationQuant())
-        # One token as in a CUDA graph (two launches) on an H200 (132 SMs, not the one counted
-        # here), where per-pair GEMM1 runs each program's K loop in two warpgroups (moe._halves).
-        moe.PER_PAIR_REPEAT_BYTES = saved[4]
-        moe.num_sms = lambda device: 132
-        moe._sync_buffer = lambda x: None
-        moe.fused_moe(torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, k, dtype=torch.bfloat16),
-                      torch.arange(k, dtype=torch.int32).reshape(1, k), _weights(E, H, I, torch.bfloat16, True),
-                      GPT_OSS, ActivationQuant())
         # Routing: one chunk smaller than, one as large as the default, several chunks.
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
