@@ -131,7 +131,7 @@ def test_every_kernel_compiles_for(target, tool_runs):
     # one step: see the next test); on GPUs with MX matrix instructions A8/A4 quantize into MX
     # elements for tl.dot_scaled.
     native = target in ("cuda:100", "hip:gfx950")
-    hopper = {"_moe_gemm_sm90", "_moe_per_pair_sm90"} if target == "cuda:90" else set()
+    hopper = {"_moe_gemm_sm90", "_moe_per_pair_sm90", "_paired_kernel"} if target == "cuda:90" else set()
     assert {row["kernel"].split()[0] for row in rows} == (
         KERNELS | hopper | ({"_quantize_kernel"} if native else set()))
     assert all(row[key]["L2::128B"] == 0 for row in rows for key in ("cp_async", "ld_global") if key in row)
@@ -155,18 +155,22 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
            if "error" in row or "serialized_wgmma" in row]
     assert rows and not bad, "\n".join(bad) or r.stderr[-2000:]
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel"} <= {row["kernel"].split()[0] for row in rows}
+    assert {"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel", "_paired_kernel"} <= {
+        row["kernel"].split()[0] for row in rows}
     # moe_sm90 spills nothing, its per-pair GEMM2 capped at 80 registers included (moe._gemm).
     sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
     assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
     assert any("'PER_PAIR_E': 4" in row["kernel"] and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
     # Per-pair GEMM1 in two warpgroups (one token on 132 SMs: moe._halves), at 80 registers.
     assert any("'HALVES': True" in row["kernel"] and "'GATED': True" in row["kernel"] for row in sm90)
+    # Grouped 8-row blocks read paired activations: x's copy, and the intermediate as GEMM1 stores it.
+    assert any("'X_ORDER': 2" in row["kernel"] and "'PAIRED_OUT': True" in row["kernel"] for row in sm90)
     # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2); on grouped 8-row blocks the routing
-    # kernels, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by PDL waits before
-    # it reads what the launch before it wrote: GEMM1, the placement and the k-sum at once, GEMM2's
-    # K loop (and its redo, _k_loops_exact) only after its first steps' weight loads (a word and
-    # a scale load at least per step). No other kernel has PDL instructions.
+    # kernels, x's paired copy, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by
+    # PDL waits before it reads what the launch before it wrote: GEMM1, the placement and the k-sum
+    # at once, GEMM2's K loop (and its redo, _k_loops_exact) only after its first steps' weight
+    # loads (a word and a scale load at least per step); the copy, which reads only x, after its
+    # copy. No other kernel has PDL instructions.
     launches = [(row["kernel"].split()[0], ast.literal_eval(row["kernel"][row["kernel"].index("{"):]), row)
                 for row in rows]
     assert all(("launches_dependents" in row) == bool(m.get("PDL")) for _, m, row in launches)
@@ -174,7 +178,8 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     assert {(name, m["PDL"], m.get("COUNTERS"), m.get("launch_pdl", False)) for name, m, _ in pdl} == {
         ("_moe_gemm_sm90", 1, 1, False), ("_moe_gemm_sm90", 4, 2, True),  # per pair
         ("_count_kernel", True, None, False), ("_place_kernel", True, None, True),  # the chain
-        ("_moe_gemm_sm90", 3, 0, True), ("_moe_gemm_sm90", 5, 0, True), ("_sum_slots", True, None, True)}
+        ("_paired_kernel", True, None, True), ("_moe_gemm_sm90", 3, 0, True), ("_moe_gemm_sm90", 5, 0, True),
+        ("_sum_slots", True, None, True)}
     for name, meta, row in pdl:
         gemm = name == "_moe_gemm_sm90"
         assert row["launches_dependents"] == (bool(meta["PDL"] & 1) if gemm else name != "_sum_slots")
@@ -183,6 +188,8 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
             steps = math.ceil(math.ceil(meta["K"] / 128) / meta["SPLIT_K"])  # K steps per program
             waits = sorted(waits)
             assert len(waits) >= 2 and waits[-2] >= 2 * min(meta["XROW"] or 2, steps), (meta, waits)
+        elif name == "_paired_kernel":
+            assert len(waits) == 1 and waits[0] >= 1, waits
         else:
             assert waits == ([0] if meta.get("launch_pdl") else []), (name, meta, waits)
     # The warp-specialized kernel's copies and loads carry the L2 prefetch hint (ptx_hints), no

@@ -480,6 +480,80 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     assert kernels(3) == ["_moe_gemm"] * 2
 
 
+def test_grouped_mma_sync_blocks_read_their_activations_paired(monkeypatch):
+    """On grouped 8-row mma.sync blocks (Hopper) x is copied in the paired order after the
+    routing kernels, by PDL, and quantize-dequantized on the way under activation quantization
+    (no pass of its own); GEMM1 reads it so and stores the intermediate so for GEMM2. Per-pair
+    blocks, the unfused backend and the warp-specialized kernel keep their own orders
+    (launches recorded)."""
+    import dataclasses
+
+    from mxfx.kernels import launch, moe, moe_sm90
+    from mxfx.kernels.activation import gated_activation
+
+    launched = []
+    monkeypatch.setattr(launch.Launcher, "_launch", lambda self, grid, a, meta: launched.append((self._kernel.__name__, meta)))
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    E, H, I, k = 4, 160, 224, 2
+    W = _weights(E, H, I, torch.bfloat16, True, True, 0, "cpu")
+    W = dataclasses.replace(W, **{f.name: getattr(W, f.name).contiguous() for f in dataclasses.fields(W)})
+
+    def run(T, aq=ActivationQuant(), fn=fused_moe):
+        ids, tw = _routing_case(T, E, k, 1)
+        launched.clear()
+        x = torch.zeros(T, H, dtype=torch.bfloat16)
+        if fn is fused_moe:
+            fused_moe(x, tw.to(torch.bfloat16), ids, W, GPT_OSS, aq)
+        else:
+            unfused_moe(x, tw.to(torch.bfloat16), ids, W, GPT_OSS, gated_activation)
+        return [(name, meta.get("X_ORDER"), meta.get("PAIRED_OUT"), meta.get("FMT"), meta.get("PDL"))
+                for name, meta in launched if name not in ("_count_kernel", "_place_kernel")]
+
+    paired, natural = moe_sm90.ORDER_PAIRED.value, moe_sm90.ORDER_NATURAL.value
+    chain1 = moe_sm90.PDL_WAIT_FIRST.value | moe_sm90.PDL_TRIGGER.value
+    chain2 = moe_sm90.PDL_WAIT_LOADS.value | moe_sm90.PDL_TRIGGER.value
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # T=3 on grouped 8-row blocks, not per pair
+    assert run(3) == [("_paired_kernel", None, None, 0, True), ("_moe_gemm_sm90", paired, True, None, chain1),
+                      ("_moe_gemm_sm90", paired, False, None, chain2), ("_sum_slots", None, None, None, True)]
+    assert [meta.get("launch_pdl") for name, meta in launched if name == "_paired_kernel"] == [True]
+    assert run(3, ActivationQuant("mxfp4", "round_up"))[:2] == [
+        ("_paired_kernel", None, None, mx.FMT_MXFP4, True), ("_moe_gemm_sm90", paired, True, None, chain1)]
+    assert [m["ROUNDING"] for name, m in launched if name == "_paired_kernel"] == [mx.ROUNDING_CODES["round_up"]]
+    assert [name for name, _, _, _, _ in run(3, fn=unfused_moe) if "gemm" in name or "paired" in name] == [
+        "_moe_gemm_sm90", "_moe_gemm_sm90"]
+    assert {(o, p) for name, o, p, _, _ in run(3, fn=unfused_moe) if "gemm" in name} == {(natural, False)}
+    assert "_paired_kernel" not in [name for name, *_ in run(200)]  # warp-specialized: dot order
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", float("inf"))  # per pair: the row paired in shared memory
+    assert "_paired_kernel" not in [name for name, *_ in run(3)]
+
+
+@pytest.mark.parametrize("fmt, rounding, dtype", [("none", "even", torch.float32), ("mxfp8", "even", torch.float16),
+                                                   ("mxfp4", "round_up", torch.float16)])
+@pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 224), (5, 544)])
+def test_paired_puts_each_value_where_the_unpack_pairs_its_weight(M, K, fmt, rounding, dtype):
+    """moe_sm90.paired: within every 8 columns, value 4h + r lands at 2r + h (the K pairs of
+    sm90_tile.UNPACK_SPLIT's words), rows keep their strides, and under activation quantization
+    each 32-block is quantize-dequantized first, bit-exact against mxfx.formats (a block holding
+    an Inf included). K not a multiple of 8 (32 under quantization) is refused, naming it."""
+    from mxfx.kernels import moe_sm90
+
+    x = (torch.randn(M, K + 3) * 4)[:, :K].to(dtype)
+    if M > 1:
+        x[1, 30] = float("inf")
+    out = moe_sm90.paired(x, ActivationQuant(fmt, rounding))
+    if fmt != "none":
+        x = formats.quantize_dequantize(x, fmt, rounding)
+    k = torch.arange(K)
+    ref = torch.empty_like(x)
+    ref[:, k - k % 8 + 2 * (k % 4) + (k % 8) // 4] = x
+    assert out.shape == (M, K) and torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+    with pytest.raises(ValueError, match="K a multiple of 32; got .*K = 40"):
+        moe_sm90.paired(torch.zeros(2, 40, dtype=dtype), ActivationQuant("mxfp8"))
+    with pytest.raises(ValueError, match="K a multiple of 8; got .*K = 36"):
+        moe_sm90.paired(torch.zeros(2, 36, dtype=dtype))
+
+
 @pytest.mark.parametrize("fmt, rounding, dtype", [("none", "even", torch.float32), ("mxfp8", "even", torch.float32),
                                                    ("mxfp4", "round_up", torch.float16), ("mxfp4", "floor", torch.float32)])
 @pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 224), (5, 256)])

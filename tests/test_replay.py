@@ -179,7 +179,7 @@ def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T
     runs, and GEMM2 sums the slots into the output at counters that GEMM1 zeroes, with no
     ``_sum_slots`` launch. Two tokens whose expected repeats cost more than
     ``PER_PAIR_REPEAT_BYTES`` (here 0; see test_few_repeats_go_per_pair) are grouped by the
-    routing kernel."""
+    routing kernel, and GEMM1 reads x's paired copy (``moe_sm90.paired``), not x."""
     from mxfx.kernels import moe_sm90
 
     monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
@@ -196,8 +196,10 @@ def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T
         assert gemm1[-4] == gemm2[-4] and gemm1[-3] == gemm2[-3] == 1  # T * cdiv(H, 64)
         assert gemm2[-2:] == [out.data_ptr(), H] and gemm1[-2:] != gemm2[-2:]
     else:
-        assert names == ["_place_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
-        assert all(call.count(ids) == 0 for _, _, call in logged[1:3])
+        assert names == ["_place_kernel", "_paired_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
+        assert all(call.count(ids) == 0 for _, _, call in logged[2:4])
+        x = inputs[0].data_ptr()
+        assert logged[1][2][0] == x and x not in logged[2][2] and logged[1][2][1] in logged[2][2]
 
 
 @pytest.mark.parametrize("words,launches", [(moe._SYNC_WORDS, ["_moe_per_pair_sm90"]),

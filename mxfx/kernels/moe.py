@@ -7,8 +7,8 @@ quantization at large T :mod:`mxfx.kernels.moe_sm90_ws`.
 The k slots are summed by ``moe_portable._sum_slots`` or, on per-pair blocks (few pairs,
 Hopper; see :func:`_route`), by the last GEMM2 program of each token and column tile, in the
 same order; there GEMM2 may start while GEMM1 runs (PDL, :func:`_pdl_gemm2`). On grouped
-mma.sync blocks the routing kernels, both GEMMs and the k-sum are a chain of launches by PDL
-(:func:`_pdl_chain`).
+mma.sync blocks the routing kernels, x's copy in the paired order (:func:`moe_sm90.paired`),
+both GEMMs and the k-sum are a chain of launches by PDL (:func:`_pdl_chain`).
 """
 from __future__ import annotations
 
@@ -138,6 +138,7 @@ def _gemm(
     counters: Optional[torch.Tensor] = None,
     k_sum: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
     pdl_chain: bool = False,
+    paired: bool = False,
 ) -> None:
     """One grouped GEMM launch. ``a_mx``: ``a`` holds MX elements (:func:`mx.quantize`) in
     this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only). The
@@ -146,7 +147,8 @@ def _gemm(
     (:func:`_k_sum_counters`): GEMM1 zeroes ``counters``; GEMM2, given ``k_sum`` (the counters,
     ``[T, H]`` output, k), also sums the slots into that output. ``pdl_chain`` (moe_sm90 on
     grouped blocks): launched by PDL (:func:`_pdl_chain`), GEMM1 (no ``route_weights``) after
-    the routing kernels, GEMM2 after GEMM1."""
+    the routing kernels, GEMM2 after GEMM1. ``paired`` (moe_sm90 on grouped mma.sync blocks):
+    ``a`` is in the paired order (:func:`moe_sm90.paired`), and GEMM1 stores the intermediate so."""
     quantized = w_scale is not None
     s = w_scale if quantized else w  # unused pointer when float
     b = bias if bias is not None else w
@@ -185,7 +187,9 @@ def _gemm(
         block_n = sm90_tile.tile_cols(gated)
         # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
         # no overflow checks).
-        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0, HALVES=False)
+        per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0, HALVES=False,
+                        X_ORDER=(moe_sm90.ORDER_PAIRED if paired else moe_sm90.ORDER_NATURAL).value,
+                        PAIRED_OUT=paired and gated)
         if routing.per_pair_experts:
             per_pair.update(debug=True, sanitize_overflow=False, XROW=cfg.x_row_stages)
             if split_k > 1 and cfg.x_row_stages == 4:
@@ -222,6 +226,7 @@ def _gemm(
             SYNC_MMA=cfg.sync_mma, AQ=mx.FMT_CODES[aq.fmt], AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
             num_warps=4, num_stages=1)
         return
+    assert not paired, "the paired order: moe_sm90 only"
     a_fmt, a_scale = a_mx if a_mx is not None else ("none", w)
     moe_portable.GEMM[(num_blocks * cdiv(n_out, block_n) * split_k,)](
         *args, a_scale, a_scale.stride(0), **common,
@@ -327,10 +332,11 @@ def _route(topk_ids: torch.Tensor, weights: MoEWeights, cfg: GemmConfig) -> Rout
 
 
 def _pdl_chain(cfg: GemmConfig, routing: Routing) -> bool:
-    """Whether a fused call's launches after the routing kernels, GEMM1, GEMM2 and the k-sum,
-    are each launched by PDL (programmatic dependent launch): grouped blocks on mma.sync, where
-    the routing kernels let GEMM1 start at once (:func:`mxfx.kernels.routing.align`). Each
-    launch then starts while the one before it ends: GEMM1's programs wait for the routing,
+    """Whether a fused call's launches after the routing kernels, x's paired copy, GEMM1, GEMM2
+    and the k-sum, are each launched by PDL (programmatic dependent launch): grouped blocks on
+    mma.sync, where the routing kernels let the next launch start at once
+    (:func:`mxfx.kernels.routing.align`). Each launch then starts while the one before it ends:
+    the copy's programs wait for the routing once they have copied, GEMM1's wait for the copy,
     GEMM2's issue their first weight loads and wait for GEMM1, the k-sum's wait for GEMM2."""
     return cfg.sync_mma and not routing.per_pair_experts
 
@@ -345,7 +351,7 @@ def _k_sum_counters(routing: Routing, T: int, H: int, device: torch.device) -> O
 
 
 def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=None,
-                   counters=None, pdl_chain=False) -> torch.Tensor:
+                   counters=None, pdl_chain=False, paired=False) -> torch.Tensor:
     T, H, k, inter_size = _sizes(x, topk_ids, weights)
     num_pairs = routing.num_pairs
     y = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=x.device)
@@ -353,7 +359,7 @@ def _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, a_mx
     _gemm(inter, 1, weights.w2, weights.w2_scale, weights.w2_bias, routing, y, y.stride(0), H,
           inter_size, cfg, block_n=cfg.block_n2, split_k=cfg.split_k2,
           route_weights=topk_weights.reshape(-1), a_mx=a_mx,
-          k_sum=(counters, out, k) if counters is not None else None, pdl_chain=pdl_chain)
+          k_sum=(counters, out, k) if counters is not None else None, pdl_chain=pdl_chain, paired=paired)
     if counters is not None:
         return out
     block_h = min(1024, next_power_of_2(H))
@@ -380,7 +386,8 @@ def fused_moe(
     ``split_k2`` of :func:`pick_config`), on per-pair blocks ``T * H/64`` int32 counters (in
     eager calls, where both GEMMs are one launch, persistent ones: :func:`_sync_buffer`), and
     under activation quantization the
-    quantize-dequantized ``x``; in the warp-specialized kernel ``x`` dot-ordered and both it
+    quantize-dequantized ``x``, on grouped mma.sync blocks ``x`` in the paired order (quantize-
+    dequantized on the way, if so); in the warp-specialized kernel ``x`` dot-ordered and both it
     and the intermediate padded to a multiple of 128 columns (under activation quantization
     the intermediate twice: as GEMM1 stores it, and dot-ordered), and in its blocks of up to 64
     rows 3 int32 words per tile of each GEMM (whether it met a scale over 128). Replayed from a
@@ -477,19 +484,30 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
         iq, iscale = mx.quantize(inter, aq.fmt, aq.scale_rounding)
         return _gemm2_and_sum(iq, x, topk_weights, topk_ids, weights, routing, cfg, a_mx=(aq.fmt, iscale))
     # Activation quantization, as the emulation does it: x once here (a [T, H] temporary),
-    # the intermediate in GEMM1's epilogue.
-    x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
+    # the intermediate in GEMM1's epilogue. On grouped mma.sync blocks both GEMMs read their
+    # activations in the paired order, so that each lane's 16-byte loads are its B registers,
+    # with no permute in the K loop (406 -> 384 SASS per two steps): x by a copy (a [T, H]
+    # temporary, which replaces the quantize pass's), the intermediate as GEMM1 stores it.
+    # Same outputs to the bit; H200, graph µs, min-max of 2 alternating processes, natural /
+    # paired: gpt-oss-120b T=8 141.6-142.6 / 137.8-138.3, T=32 380.4-388.1 / 370.5-375.3, T=64
+    # 511.1-519.1 / 496.5-501.1, T=128 624.1-631.8 / 602.5-603.4; gpt-oss-20b T=32 163.9-164.3 /
+    # 158.5-158.6; MiniMax-M3 T=8 290.9-293.7 / 280.9-284.4, T=64 1064.0-1076.6 / 1041.7-1049.9;
+    # Mixtral-8x7B T=16 259.6-263.9 / 244.2-258.2; Qwen3-30B-A3B T=64 130.3-130.9 / 126.9-127.3.
+    chain = _pdl_chain(cfg, routing)
+    if chain:
+        x_in = moe_sm90.paired(x, aq, pdl=True)
+    else:
+        x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
     # (The one launch's waiting programs read their activation row into shared memory: tiles
     # forced without x_row_stages, as tools/moe_kernel_timing.py's, take the two.)
     if (cfg.sm90 and routing.per_pair_experts and cfg.x_row_stages and sync is not None
             and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel()):
         return _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
     counters = _k_sum_counters(routing, T, H, x.device)
-    chain = _pdl_chain(cfg, routing)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
-          H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain)
+          H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain, paired=chain)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters,
-                          pdl_chain=chain)
+                          pdl_chain=chain, paired=chain)
 
 
 _FUSED = Replayer(_fused_moe)

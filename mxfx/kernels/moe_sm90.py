@@ -46,13 +46,17 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mxfx.kernels import sm90_tile as tile, wgmma_guard
-from mxfx.kernels.launch import Launcher, next_power_of_2
+from mxfx.backends.base import ActivationQuant
+from mxfx.kernels import mx, sm90_tile as tile, wgmma_guard
+from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
 
 
 # The K step, and the output columns per program without a gated epilogue (GEMM2).
@@ -94,6 +98,14 @@ _PREVIOUS_GRID = gl.constexpr(-1)
 PDL_TRIGGER = gl.constexpr(1)  # the grid launched after this one by PDL may start at once
 PDL_WAIT_FIRST = gl.constexpr(2)  # launched by PDL: waits for the previous grid before it reads anything
 PDL_WAIT_LOADS = gl.constexpr(4)  # launched by PDL: reads the routing, issues its first weight loads, waits
+
+# How a grouped mma.sync block's activations are laid out along K (X_ORDER), and so how its
+# lanes load them: natural; as the warp-specialized kernel reads them (moe_sm90_ws.dot_order,
+# read back in natural order); or paired (:func:`paired`), each 16-byte load holding its four
+# B registers ready, with no permute in the loop.
+ORDER_NATURAL = gl.constexpr(0)
+ORDER_DOT = gl.constexpr(1)
+ORDER_PAIRED = gl.constexpr(2)
 
 
 @gluon.jit
@@ -260,12 +272,11 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
             NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr, PER_PAIR: gl.constexpr,
             WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr,
             XL: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr, SYNC_MMA: gl.constexpr,
-            SMALL_SCALES: gl.constexpr, X_DOT: gl.constexpr):
+            SMALL_SCALES: gl.constexpr, X_ORDER: gl.constexpr):
     """The K loop with the block's activations loaded into registers with its weights, one
     step ahead (``NFULL`` unmasked steps of ``NS``). ``WAIT`` 0, or ``_PREVIOUS_GRID``: the
     first two steps' weight loads are issued before the wait, their activations after.
-    ``X_DOT``: the activations are stored as the warp-specialized kernel reads them in blocks
-    of up to 64 rows (:func:`mxfx.kernels.moe_sm90_ws.dot_order`), and read back in natural order."""
+    ``X_ORDER``: how the activations are stored along K (``ORDER_*``; paired: mma.sync only)."""
     X4: gl.constexpr = gl.SliceLayout(4, XL)
     X3: gl.constexpr = gl.SliceLayout(3, X4)
     X2: gl.constexpr = gl.SliceLayout(2, X3)
@@ -290,7 +301,9 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
     # The block's padding rows are not read: a block of few rows would otherwise spend most
     # of its activation traffic on copies of row 0 (T=512: 981 -> 957 µs).
     x_ok = gl.expand_dims(gl.expand_dims(tile.x3(m < nrows), 3), 4) & (xk >= 0)  # (& broadcasts to [BM, NI, 4, 4, 8])
-    xo = tile.dot_position(xk, True) if X_DOT else xk  # (each 128-wide step is padded with zeros)
+    xo = tile.dot_position(xk, True) if X_ORDER == ORDER_DOT else xk  # (each 128-wide step is padded with zeros)
+    gl.static_assert(X_ORDER != ORDER_PAIRED or SYNC_MMA)
+    X_PAIRED: gl.constexpr = X_ORDER == ORDER_PAIRED
 
     if SYNC_MMA:
         x_smem0 = 0  # unused placeholders: the activations stay in registers
@@ -312,18 +325,18 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
         for it in range(ITER):
             k0 = k_lo + it * (2 * BLOCK_K)
             acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
-                                  SMALL_SCALES)
+                                  SMALL_SCALES, X_PAIRED)
             w0, s0, x0 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, xo, k0 + 2 * BLOCK_K, k_end, False)
             acc, smax = _mma_step(acc, smax, w1, s1, x1, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
-                                  SMALL_SCALES)
+                                  SMALL_SCALES, X_PAIRED)
             w1, s1, x1 = _load_step(w_rows, s_rows, x_rows, x_ok, wc, sg, xk, xo, k0 + 3 * BLOCK_K, k_end, False)
     for j in gl.static_range(2 * ITER, NS):
         if j % 2 == 0:
             acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem0, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
-                                  SMALL_SCALES)
+                                  SMALL_SCALES, X_PAIRED)
         else:
             acc, smax = _mma_step(acc, smax, w0, s0, x0, x_smem1, tables, BLOCK_M, BLOCK_K, WL, A_L, B_L, SYNC_MMA,
-                                  SMALL_SCALES)
+                                  SMALL_SCALES, X_PAIRED)
         if j + 1 < NS:
             w0 = w1
             s0 = s1
@@ -379,9 +392,9 @@ def _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn
              GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
              PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-             B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr, X_DOT: gl.constexpr = False):
+             B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr, X_ORDER: gl.constexpr = 0):
     """The program's K loop over expert ``e64``'s weight rows from ``n0``: :func:`_k_loop_x_row`
-    where ``XROW`` (per-pair blocks), else :func:`_k_loop` (``X_DOT`` as there)."""
+    where ``XROW`` (per-pair blocks), else :func:`_k_loop` (``X_ORDER`` as there)."""
     w_rows, s_rows, wc, sg, tables = tile.weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
                                                       n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
     if XROW:
@@ -391,7 +404,7 @@ def _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn
     else:
         return _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo,
                        k_end, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L,
-                       SYNC_MMA, SMALL_SCALES, X_DOT)
+                       SYNC_MMA, SMALL_SCALES, X_ORDER)
 
 
 @gluon.jit(noinline=True)
@@ -400,7 +413,7 @@ def _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64
                    GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
                    PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-                   B_L: gl.constexpr, MMA: gl.constexpr, X_DOT: gl.constexpr = False):
+                   B_L: gl.constexpr, MMA: gl.constexpr, X_ORDER: gl.constexpr = 0):
     """:func:`_k_loops` on mma.sync by the unpack exact for every scale, from a zero accumulator. A
     call, not inlined: inlined, the second loop kept addresses of the first alive (per-pair GEMM2
     at T=1, K split in 4: 80 -> 117 registers, 6 -> 4 programs per SM; called, 88)."""
@@ -408,7 +421,7 @@ def _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64
     acc, _ = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
                       stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr,
                       k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW, BLOCK_M,
-                      BLOCK_K, NI, WL, XL, A_L, B_L, True, False, X_DOT)
+                      BLOCK_K, NI, WL, XL, A_L, B_L, True, False, X_ORDER)
     return acc
 
 
@@ -418,7 +431,7 @@ def exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0
                A_ROW_DIV: gl.constexpr):
     """The ``[64, 8]`` float32 accumulator (mma.sync layout) of the 64 weight rows from ``n0``
     (:func:`sm90_tile.weight_rows`) times the first 8 of the ``nrows`` activation rows of pairs
-    ``pairs_ptr[:8]``, stored as the warp-specialized kernel reads them (``X_DOT``), by the
+    ``pairs_ptr[:8]``, stored as the warp-specialized kernel reads them (``ORDER_DOT``), by the
     unpack exact for every scale (``moe_sm90_ws._redo``)."""
     WL: gl.constexpr = tile.w_layout(1)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
@@ -427,7 +440,7 @@ def exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0
     return _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr,
                           stride_am, pairs_ptr, 0, nrows, pairs_ptr, 0, K, GATED, GATE_STRIDE, K // _BLOCK_K,
                           (K + _BLOCK_K - 1) // _BLOCK_K, A_ROW_DIV, False, 0, 0, 8, _BLOCK_K, 1, WL, _xb_layout(8, 1),
-                          A_L, B_L, MMA, True)
+                          A_L, B_L, MMA, ORDER_DOT)
 
 
 # Registers per thread of a program whose K loop runs in two warpgroups (``HALVES``), and its
@@ -443,8 +456,8 @@ def _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e
                      GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
                      PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-                     B_L: gl.constexpr, MMA: gl.constexpr, SYNC_MMA: gl.constexpr):
-    """:func:`_k_loops` from a zero accumulator. The mma.sync loops unpack by one multiply that
+                     B_L: gl.constexpr, MMA: gl.constexpr, SYNC_MMA: gl.constexpr, X_ORDER: gl.constexpr = 0):
+    """:func:`_k_loops` from a zero accumulator (``X_ORDER`` as :func:`_k_loop`'s). The mma.sync loops unpack by one multiply that
     is exact for scales up to 128 (32-blocks whose largest weight is under 16, or 12 with
     round-up scales); where the loop met a larger scale it runs again by the unpack exact for
     every scale (:func:`_k_loops_exact`): such weights cost it twice the time, never accuracy."""
@@ -452,13 +465,13 @@ def _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e
     acc, smax = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows,
                          ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW,
-                         BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA, SYNC_MMA)
+                         BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA, SYNC_MMA, X_ORDER)
     if SYNC_MMA:
         if tile.over_small_scales(smax):
             acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
                                  a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
                                  NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
-                                 B_L, MMA)
+                                 B_L, MMA, X_ORDER)
     return acc
 
 
@@ -514,6 +527,8 @@ def _program(
     WAIT: gl.constexpr = 0,
     XROW: gl.constexpr = 0,
     HALVES: gl.constexpr = False,
+    X_ORDER: gl.constexpr = 0,
+    PAIRED_OUT: gl.constexpr = False,
 ):
     """Program ``pid`` of the GEMM (the kernels' arguments are documented at
     :func:`_moe_gemm_sm90`). ``WAIT``: before reading its activations, wait until
@@ -521,7 +536,9 @@ def _program(
     launched before this one has finished (its weights' first loads issued meanwhile).
     ``XROW``: on per-pair blocks, the K loop of :func:`_k_loop_x_row` with the weights this
     many steps ahead; 0: :func:`_k_loop`'s. ``HALVES``: that loop in two warpgroups, half the K
-    steps each (:func:`_half`; launched with ``HALF_REGS``)."""
+    steps each (:func:`_half`; launched with ``HALF_REGS``). ``X_ORDER``: the activations' order
+    along K (``ORDER_*``, as :func:`_k_loop`); ``PAIRED_OUT``: the output stored in the paired order
+    (:func:`paired`), for a GEMM2 that reads it so."""
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "activation row in shared memory: per-pair mma.sync")
@@ -592,10 +609,10 @@ def _program(
         acc = _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
                                a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
                                NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
-                               B_L, MMA, SYNC_MMA)
+                               B_L, MMA, SYNC_MMA, X_ORDER)
     tile.epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                   stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
-                  ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING)
+                  ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING, PAIRED_OUT=PAIRED_OUT)
     if COUNTERS == 2:
         _sum_when_last(cnt_ptr, sorted_ptr, out_ptr, stride_os, stride_om, sum_ptr, stride_sum, blk // TOPK,
                        n0 // BLOCK_N, N, PER_PAIR_E, TOPK, SPLIT_K, BLOCK_N)
@@ -632,11 +649,13 @@ def _moe_gemm_sm90(
     XROW: gl.constexpr = 0,
     PDL: gl.constexpr = 0,
     HALVES: gl.constexpr = False,
+    X_ORDER: gl.constexpr = 0,
+    PAIRED_OUT: gl.constexpr = False,
 ):
     """One grouped GEMM launch (``moe._gemm``). ``PDL``: its part in programmatic dependent
     launch, bits ``PDL_TRIGGER`` (the next launch may start at once), ``PDL_WAIT_FIRST`` (GEMM1
     after the routing kernels) or ``PDL_WAIT_LOADS`` (GEMM2, whose first weight loads are issued
-    while GEMM1 runs). ``HALVES``: per-pair programs of 8 warps, see :func:`_program`."""
+    while GEMM1 runs). ``HALVES``, ``X_ORDER``, ``PAIRED_OUT``: see :func:`_program`."""
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert((PDL & PDL_WAIT_FIRST == 0) or (PDL & PDL_WAIT_LOADS == 0), "PDL: one wait")
     if PDL & PDL_WAIT_FIRST:
@@ -648,7 +667,7 @@ def _moe_gemm_sm90(
              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, cnt_ptr, num_cnt, sum_ptr, stride_sum,
              cnt_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, BLOCK_K,
              SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING,
-             _PREVIOUS_GRID if PDL & PDL_WAIT_LOADS else 0, XROW, HALVES)
+             _PREVIOUS_GRID if PDL & PDL_WAIT_LOADS else 0, XROW, HALVES, X_ORDER, PAIRED_OUT)
 
 
 @gluon.jit
@@ -713,9 +732,50 @@ def _moe_per_pair_sm90(
             gl.store(ready + pair, 0)
 
 
+@triton.jit
+def _paired_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   FMT: tl.constexpr, ROUNDING: tl.constexpr, PDL: tl.constexpr):
+    """Rows ``BLOCK_R * program_id(0) + [0, BLOCK_R)``, columns ``BLOCK_K * program_id(1) + [0,
+    BLOCK_K)`` of :func:`paired`. ``PDL``: launched by PDL; the next launch may start at once."""
+    if PDL:
+        gdc_launch_dependents()
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (r < M)[:, None] & (k < K)[None, :]
+    v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+    if FMT != 0:
+        v = mx.qdq(v, FMT, ROUNDING, BLOCK_R, BLOCK_K)
+    # Value 4h + r of each 8 to 2r + h, permuted in registers so that the stores stay contiguous.
+    v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_R, BLOCK_K // 8, 2, 4)), (0, 1, 3, 2)), (BLOCK_R, BLOCK_K))
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + k[None, :], v, mask=ok)
+    if PDL:  # as every grid launched by PDL: its end implies the previous grid's (see PDL_TRIGGER)
+        gdc_wait()
+
+
 GEMM_SM90 = Launcher(_moe_gemm_sm90)
 PER_PAIR_SM90 = Launcher(_moe_per_pair_sm90)
 wgmma_guard.guard("_moe_gemm_sm90")
+_PAIRED = Launcher(_paired_kernel)
+
+
+def paired(x: torch.Tensor, aq: ActivationQuant = ActivationQuant(), pdl: bool = False) -> torch.Tensor:
+    """``x [M, K]`` (unit column stride, K a multiple of 8) → a ``[M, K]`` copy in the paired
+    order of :func:`sm90_tile.paired_position` (value ``4h + r`` of every 8 at ``2r + h``), the
+    activations that grouped mma.sync blocks read with ``X_ORDER = ORDER_PAIRED``. Under
+    activation quantization (``aq``; K a multiple of 32) each 32-block is quantize-dequantized
+    on the way, as :func:`mxfx.kernels.mx.quantize_dequantize` does it. ``pdl``: launched by PDL
+    after the routing kernels (:func:`mxfx.kernels.routing.align`), the GEMM after it by PDL
+    too, which then waits for both."""
+    M, K = x.shape
+    if x.stride(1) != 1 or K % (32 if aq.fmt != "none" else 8):
+        raise ValueError(f"paired: x must have unit column stride and K a multiple of "
+                         f"{32 if aq.fmt != 'none' else 8}; got strides {tuple(x.stride())}, K = {K}")
+    out = torch.empty(M, K, dtype=x.dtype, device=x.device)
+    if M:
+        _PAIRED[(cdiv(M, 16), cdiv(K, 128))](x, out, M, K, x.stride(0), out.stride(0), BLOCK_R=16, BLOCK_K=128,
+                                             FMT=mx.FMT_CODES[aq.fmt], ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
+                                             PDL=pdl, **({"launch_pdl": True} if pdl else {}), num_warps=4)
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -304,7 +304,7 @@ def epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stri
               GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
               ROUTE_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, DOT_ORDER_OUT: gl.constexpr,
               PER_PAIR: gl.constexpr = False, AQ: gl.constexpr = 0, AQ_ROUNDING: gl.constexpr = 0,
-              SPLIT: gl.constexpr = False):
+              SPLIT: gl.constexpr = False, PAIRED_OUT: gl.constexpr = False):
     """Bias, gated activation, routing weight and the store of the ``[ROWS, BLOCK_M]``
     accumulator, in a plain layout: ``[BLOCK_N, BLOCK_M]``, a warp's lanes along N.
     ``DOT_ORDER_OUT``: columns stored at :func:`dot_position` (``SPLIT`` as there) and the
@@ -312,7 +312,8 @@ def epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stri
     :func:`mxfx.kernels.moe_sm90_ws._moe_gemm_sm90_ws` reads. ``PER_PAIR``: block ``blk`` is
     pair ``blk`` alone (``mxfx.kernels.routing.per_pair``). ``AQ``, ``AQ_ROUNDING``: the output,
     rounded to its dtype, quantize-dequantized as :func:`mxfx.kernels.mx.qdq` does it (a gated
-    tile's 32 columns are one MX block of each row)."""
+    tile's 32 columns are one MX block of each row). ``PAIRED_OUT``: columns stored at
+    :func:`paired_position` (N a multiple of 8), for the mma.sync loop that reads them paired."""
     BLOCK_N: gl.constexpr = ROWS // 2 if GATED else ROWS
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, ROWS // 16], [0, 1])
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
@@ -365,4 +366,5 @@ def epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stri
                 gl.store(rows + gl.expand_dims(dot_position(z, SPLIT), 1),
                          gl.zeros_like(res).to(out_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok, 0))
     else:
-        gl.store(rows + gl.expand_dims(n, 1), res.to(out_ptr.dtype.element_ty), mask=mask)
+        cols = paired_position(n) if PAIRED_OUT else n
+        gl.store(rows + gl.expand_dims(cols, 1), res.to(out_ptr.dtype.element_ty), mask=mask)

@@ -249,14 +249,14 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
 
     monkeypatch.setattr(launch, "ENABLED", True)
     monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # grouped blocks, two GEMM launches
-    E, H, I, k, T = 8, 352, 224, 2, 9  # 2.25 rows per expert: moe_sm90, which reads x itself
+    E, H, I, k, T = 8, 352, 224, 2, 9  # 2.25 rows per expert: moe_sm90, x read by its paired copy
     W = _weights(E, H, I, torch.bfloat16)
     x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=7)
     shifted = torch.empty(T * H + 1, dtype=x.dtype, device="cuda")[1:].view(T, H)
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 != 0
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
-    launchers = (moe_portable.GEMM, moe_sm90.GEMM_SM90)
+    launchers = (moe_portable.GEMM, moe_sm90.GEMM_SM90, moe_sm90._PAIRED)
     # Earlier tests' launches of the same kernels, and their launch plans, are not counted.
     for g in launchers:
         monkeypatch.setattr(g, "_compiled", {})
@@ -265,7 +265,7 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
         out = moe.fused_moe(inp, tw, ids, W, GPT_OSS, ActivationQuant())
         assert _rel_err(out, ref) <= 5e-3
     keys = [key for g in launchers for key in g._compiled]
-    assert len(keys) == 3  # GEMM1 for the aligned and the shifted x; GEMM2 reads its own buffer
+    assert len(keys) == 4  # x's paired copy for the aligned and the shifted x; the GEMMs read their own buffers
     assert {key[key.index(torch.bfloat16) + 1] for key in keys} == {True, False}  # x's alignment
 
 
@@ -282,8 +282,8 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
 )
 def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     """On Hopper, bf16 MXFP4 up to 6 rows per expert runs :mod:`mxfx.kernels.moe_sm90` with
-    mma.sync on 8-row blocks (fused and unfused, and A8: x quantized by a pass of its own, the
-    intermediate in GEMM1's epilogue); above that, weight rows not 16 bytes apart (so not the
+    mma.sync on 8-row blocks (fused and unfused, and A8: x quantized by a pass of its own or, on
+    grouped blocks, by its paired copy's, the intermediate in GEMM1's epilogue); above that, weight rows not 16 bytes apart (so not the
     warp-specialized kernel of the next test) take its wgmma on 32-row blocks; weights not
     readable as words fall back to the portable kernel. All match emulation."""
     from mxfx.kernels import moe_sm90, mx
@@ -306,10 +306,13 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
             assert [(m["SYNC_MMA"], m["BLOCK_M"]) for m in calls] == [(sync, 8 if sync else 32)] * 2 and not in_one
     calls.clear()
     in_one.clear()
-    qdq = _spy(monkeypatch, mx._QDQ)
+    qdq, pairs = _spy(monkeypatch, mx._QDQ), _spy(monkeypatch, moe_sm90._PAIRED)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2, **kw)
-    # x through the quantize pass, the intermediate in GEMM1's epilogue.
-    assert [m["AQ"] for m in calls + in_one] == ([1] if one else [1, 0]) and len(qdq) == 1
+    # x through the quantize pass (grouped mma.sync blocks: its paired copy), the intermediate in
+    # GEMM1's epilogue.
+    assert [m["AQ"] for m in calls + in_one] == ([1] if one else [1, 0])
+    grouped = sync and not one
+    assert (len(qdq), [m["FMT"] for m in pairs]) == ((0, [mx.FMT_CODES["mxfp8"]]) if grouped else (1, []))
     calls.clear()
     in_one.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
@@ -505,8 +508,8 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
 @pytest.mark.parametrize("T", [8, 20])
 def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     """On Hopper, grouped 8-row mma.sync blocks run the routing kernels (one; at T=20, 80 pairs,
-    two), GEMM1, GEMM2 and the k-sum as a chain of launches by PDL, each starting while the one
-    before it ends. A launch that read what the one before it writes before waiting for it would
+    two), x's paired copy, GEMM1, GEMM2 and the k-sum as a chain of launches by PDL, each
+    starting while the one before it ends. A launch that read what the one before it writes before waiting for it would
     show here: in a CUDA graph replayed on new ids, again and again, the output equals to the bit
     the per-pair blocks' (no routing kernel, the k-sum in GEMM2) on the same ids, and emulation's
     up to rounding."""
@@ -521,10 +524,16 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=T)
     gemms, sums = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_portable.SUM_SLOTS)
     counts, places = _spy(monkeypatch, routing._COUNT), _spy(monkeypatch, routing._PLACE)
+    pairs = _spy(monkeypatch, moe_sm90._PAIRED)
     eager = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert [(m["PER_PAIR_E"], m["SYNC_MMA"], m["PDL"], m["launch_pdl"]) for m in gemms] == [
         (0, True, moe_sm90.PDL_WAIT_FIRST.value | moe_sm90.PDL_TRIGGER.value, True),
         (0, True, moe_sm90.PDL_WAIT_LOADS.value | moe_sm90.PDL_TRIGGER.value, True)]
+    # Both GEMMs read paired activations: x's copy, launched by PDL after the routing, and the
+    # intermediate as GEMM1 stores it.
+    assert [(m["PDL"], m["launch_pdl"]) for m in pairs] == [(True, True)]
+    assert [(m["X_ORDER"], m["PAIRED_OUT"]) for m in gemms] == [(moe_sm90.ORDER_PAIRED.value, True),
+                                                               (moe_sm90.ORDER_PAIRED.value, False)]
     assert [(m["PDL"], m["launch_pdl"]) for m in sums] == [(True, True)]
     assert [(m["PDL"], m.get("launch_pdl", False)) for m in places] == [(True, T == 20)]
     assert [m["PDL"] for m in counts] == [True] * (T == 20)
