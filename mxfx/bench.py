@@ -15,8 +15,8 @@ not resident in L2. ``--routing balanced`` gives every expert the same number of
 (T·k/E, ±1 where E does not divide it), so that a kernel's cost per row count shows without
 the spread of random routing. On CUDA the time is the median over replays of a CUDA graph
 holding one call per routing set; at T=1 the eager time per call is reported too (the per-call
-overhead): the least of 3 medians of back-to-back calls, since the host's hiccups only add to it
-(single medians of the same call ranged 62-115 µs on the H200 box, session 39).
+overhead): the least of 3 medians of back-to-back calls, since host-side interference only adds
+to it (it still varies from run to run: tools/PERF_LOG.md, session 39).
 A torch baseline (dequantized bf16 weights, ``torch._grouped_mm``) is measured alongside.
 Results go to stdout, a PNG plot (% of roofline against T) and ``PERF_LOG.md``.
 
