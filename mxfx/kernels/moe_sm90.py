@@ -13,7 +13,9 @@ quantization included. What differs is how the weights reach the tensor cores:
 - The activations are the B operand, in one of two ways. ``SYNC_MMA`` (blocks of 8 rows,
   while the weights dominate): each lane loads the same 32-K segment of the block's rows
   straight into mma.sync B fragments, every warp on its own, with no shared memory, barrier
-  or proxy fence in the loop. Otherwise (16 to 32 rows): the block's rows are staged to
+  or proxy fence in the loop; on grouped blocks the rows are in the paired order
+  (:func:`paired`: x copied so, the intermediate stored so by GEMM1), so that the loads are the
+  B registers, with no permute. Otherwise (16 to 32 rows): the block's rows are staged to
   shared memory once for the four warps and multiplied by wgmma.
 
 Loads are issued one K step ahead (register double buffering, unrolled by two so that the
@@ -457,10 +459,11 @@ def _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e
                      PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
                      B_L: gl.constexpr, MMA: gl.constexpr, SYNC_MMA: gl.constexpr, X_ORDER: gl.constexpr = 0):
-    """:func:`_k_loops` from a zero accumulator (``X_ORDER`` as :func:`_k_loop`'s). The mma.sync loops unpack by one multiply that
-    is exact for scales up to 128 (32-blocks whose largest weight is under 16, or 12 with
-    round-up scales); where the loop met a larger scale it runs again by the unpack exact for
-    every scale (:func:`_k_loops_exact`): such weights cost it twice the time, never accuracy."""
+    """:func:`_k_loops` from a zero accumulator (``X_ORDER`` as :func:`_k_loop`'s). The mma.sync
+    loops unpack by one multiply that is exact for scales up to 128 (32-blocks whose largest
+    weight is under 16, or 12 with round-up scales); where the loop met a larger scale it runs
+    again by the unpack exact for every scale (:func:`_k_loops_exact`): such weights cost it
+    twice the time, never accuracy."""
     smax = gl.zeros([64, NI, 4], gl.uint8, layout=gl.SliceLayout(3, gl.SliceLayout(4, WL)))
     acc, smax = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows,
