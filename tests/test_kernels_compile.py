@@ -99,21 +99,25 @@ def test_sass_opcodes_are_read_past_4096_instructions():
 
 
 def test_dot_order_stores_whole_16_byte_pieces():
-    """dot_order permutes each 128-wide step in registers, so that its stores stay contiguous:
-    the same permutation done by the stores' addresses (2-byte stores, 8 sectors a warp's
-    store) ran at 0.4 TB/s on the H200 against 2.6-4.5 (tools/PERF_LOG.md, session 36)."""
+    """sm90_tile.ordered_copy permutes each 128-wide step in registers, so that its stores stay
+    contiguous, in every order it writes (the warp-specialized kernel's two dot orders, the
+    mma.sync loop's paired order): the same permutation done by the stores' addresses (2-byte
+    stores, 8 sectors a warp's store) ran at 0.4 TB/s on the H200 against 2.6-4.5
+    (tools/PERF_LOG.md, session 36)."""
     code = ("import collections, json, torch, compile_kernels as c\n"
-            "from mxfx.kernels import moe_sm90_ws as ws\n"
+            "from mxfx.kernels import sm90_tile as tile\n"
             "x, out = torch.zeros(37, 2880, dtype=torch.bfloat16), torch.zeros(37, 2944, dtype=torch.bfloat16)\n"
             "stores = {}\n"
-            "for bm in (32, 160):\n"
-            "    k = c.compile_launch(ws._dot_order_kernel, (x, out, 37, 2880, 2880, 2944), dict(BLOCK_R=16, FMT=0,"
-            " ROUNDING=2, SPLIT=ws.splits(bm), num_warps=4), c.parse_target('cuda:90'))\n"
-            "    stores[bm] = collections.Counter(o for o in c._opcodes(c._sass(k.asm['cubin'])) if o.startswith('ST'))\n"
+            "for split, dot in ((False, True), (True, True), (True, False)):\n"
+            "    k = c.compile_launch(tile._dot_order_kernel, (x, out, 37, 2880, 2880, 2944), dict(BLOCK_R=16, FMT=0,"
+            " ROUNDING=2, SPLIT=split, DOT=dot, PDL=False, num_warps=4), c.parse_target('cuda:90'))\n"
+            "    stores[f'{split} {dot}'] = collections.Counter(o for o in c._opcodes(c._sass(k.asm['cubin']))"
+            " if o.startswith('ST'))\n"
             "print(json.dumps(stores))")
     stores = json.loads(_in_tool_process(code)[-1])
-    for block_m, ops in stores.items():  # 16 rows x 128 bf16 over 128 threads: two 16-byte stores each
-        assert ops.get("STG.E.128", 0) == 2 and set(ops) <= {"STG.E.128", "STS.128"}, (block_m, ops)
+    assert len(stores) == 3
+    for order, ops in stores.items():  # 16 rows x 128 bf16 over 128 threads: two 16-byte stores each
+        assert ops.get("STG.E.128", 0) == 2 and set(ops) <= {"STG.E.128", "STS.128"}, (order, ops)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -131,7 +135,7 @@ def test_every_kernel_compiles_for(target, tool_runs):
     # one step: see the next test); on GPUs with MX matrix instructions A8/A4 quantize into MX
     # elements for tl.dot_scaled.
     native = target in ("cuda:100", "hip:gfx950")
-    hopper = {"_moe_gemm_sm90", "_moe_per_pair_sm90", "_paired_kernel"} if target == "cuda:90" else set()
+    hopper = {"_moe_gemm_sm90", "_moe_per_pair_sm90", "_dot_order_kernel"} if target == "cuda:90" else set()
     assert {row["kernel"].split()[0] for row in rows} == (
         KERNELS | hopper | ({"_quantize_kernel"} if native else set()))
     assert all(row[key]["L2::128B"] == 0 for row in rows for key in ("cp_async", "ld_global") if key in row)
@@ -155,8 +159,7 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
            if "error" in row or "serialized_wgmma" in row]
     assert rows and not bad, "\n".join(bad) or r.stderr[-2000:]
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel", "_paired_kernel"} <= {
-        row["kernel"].split()[0] for row in rows}
+    assert {"_moe_gemm_sm90", "_moe_gemm_sm90_ws", "_dot_order_kernel"} <= {row["kernel"].split()[0] for row in rows}
     # moe_sm90 spills nothing, its per-pair GEMM2 capped at 80 registers included (moe._gemm).
     sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
     assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
@@ -165,6 +168,7 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     assert any("'HALVES': True" in row["kernel"] and "'GATED': True" in row["kernel"] for row in sm90)
     # Grouped 8-row blocks read paired activations: x's copy, and the intermediate as GEMM1 stores it.
     assert any("'X_ORDER': 2" in row["kernel"] and "'PAIRED_OUT': True" in row["kernel"] for row in sm90)
+    assert any(row["kernel"].startswith("_dot_order_kernel") and "'DOT': False" in row["kernel"] for row in rows)
     # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2); on grouped 8-row blocks the routing
     # kernels, x's paired copy, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by
     # PDL waits before it reads what the launch before it wrote: GEMM1, the placement and the k-sum
@@ -178,7 +182,7 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     assert {(name, m["PDL"], m.get("COUNTERS"), m.get("launch_pdl", False)) for name, m, _ in pdl} == {
         ("_moe_gemm_sm90", 1, 1, False), ("_moe_gemm_sm90", 4, 2, True),  # per pair
         ("_count_kernel", True, None, False), ("_place_kernel", True, None, True),  # the chain
-        ("_paired_kernel", True, None, True), ("_moe_gemm_sm90", 3, 0, True), ("_moe_gemm_sm90", 5, 0, True),
+        ("_dot_order_kernel", True, None, True), ("_moe_gemm_sm90", 3, 0, True), ("_moe_gemm_sm90", 5, 0, True),
         ("_sum_slots", True, None, True)}
     for name, meta, row in pdl:
         gemm = name == "_moe_gemm_sm90"
@@ -188,7 +192,7 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
             steps = math.ceil(math.ceil(meta["K"] / 128) / meta["SPLIT_K"])  # K steps per program
             waits = sorted(waits)
             assert len(waits) >= 2 and waits[-2] >= 2 * min(meta["XROW"] or 2, steps), (meta, waits)
-        elif name == "_paired_kernel":
+        elif name == "_dot_order_kernel":
             assert len(waits) == 1 and waits[0] >= 1, waits
         else:
             assert waits == ([0] if meta.get("launch_pdl") else []), (name, meta, waits)

@@ -513,18 +513,23 @@ def test_grouped_mma_sync_blocks_read_their_activations_paired(monkeypatch):
     chain1 = moe_sm90.PDL_WAIT_FIRST.value | moe_sm90.PDL_TRIGGER.value
     chain2 = moe_sm90.PDL_WAIT_LOADS.value | moe_sm90.PDL_TRIGGER.value
     monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # T=3 on grouped 8-row blocks, not per pair
-    assert run(3) == [("_paired_kernel", None, None, 0, True), ("_moe_gemm_sm90", paired, True, None, chain1),
+
+    def copies():  # x's copies: (split, dot) orders
+        return [(m["SPLIT"], m["DOT"]) for name, m in launched if name == "_dot_order_kernel"]
+
+    assert run(3) == [("_dot_order_kernel", None, None, 0, True), ("_moe_gemm_sm90", paired, True, None, chain1),
                       ("_moe_gemm_sm90", paired, False, None, chain2), ("_sum_slots", None, None, None, True)]
-    assert [meta.get("launch_pdl") for name, meta in launched if name == "_paired_kernel"] == [True]
+    assert copies() == [(True, False)]  # the paired order
+    assert [meta.get("launch_pdl") for name, meta in launched if name == "_dot_order_kernel"] == [True]
     assert run(3, ActivationQuant("mxfp4", "round_up"))[:2] == [
-        ("_paired_kernel", None, None, mx.FMT_MXFP4, True), ("_moe_gemm_sm90", paired, True, None, chain1)]
-    assert [m["ROUNDING"] for name, m in launched if name == "_paired_kernel"] == [mx.ROUNDING_CODES["round_up"]]
-    assert [name for name, _, _, _, _ in run(3, fn=unfused_moe) if "gemm" in name or "paired" in name] == [
+        ("_dot_order_kernel", None, None, mx.FMT_MXFP4, True), ("_moe_gemm_sm90", paired, True, None, chain1)]
+    assert [m["ROUNDING"] for name, m in launched if name == "_dot_order_kernel"] == [mx.ROUNDING_CODES["round_up"]]
+    assert [name for name, _, _, _, _ in run(3, fn=unfused_moe) if "gemm" in name or "order" in name] == [
         "_moe_gemm_sm90", "_moe_gemm_sm90"]
     assert {(o, p) for name, o, p, _, _ in run(3, fn=unfused_moe) if "gemm" in name} == {(natural, False)}
-    assert "_paired_kernel" not in [name for name, *_ in run(200)]  # warp-specialized: dot order
+    assert "_dot_order_kernel" in [name for name, *_ in run(200)] and copies() == [(False, True)]  # ws: dot order
     monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", float("inf"))  # per pair: the row paired in shared memory
-    assert "_paired_kernel" not in [name for name, *_ in run(3)]
+    assert "_dot_order_kernel" not in [name for name, *_ in run(3)]
 
 
 @pytest.mark.parametrize("fmt, rounding, dtype", [("none", "even", torch.float32), ("mxfp8", "even", torch.float16),

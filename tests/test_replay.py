@@ -196,7 +196,7 @@ def test_a_single_token_on_hopper_needs_no_routing_kernel(logged, monkeypatch, T
         assert gemm1[-4] == gemm2[-4] and gemm1[-3] == gemm2[-3] == 1  # T * cdiv(H, 64)
         assert gemm2[-2:] == [out.data_ptr(), H] and gemm1[-2:] != gemm2[-2:]
     else:
-        assert names == ["_place_kernel", "_paired_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
+        assert names == ["_place_kernel", "_dot_order_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90", "_sum_slots"]
         assert all(call.count(ids) == 0 for _, _, call in logged[2:4])
         x = inputs[0].data_ptr()
         assert logged[1][2][0] == x and x not in logged[2][2] and logged[1][2][1] in logged[2][2]

@@ -48,17 +48,14 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mxfx.backends.base import ActivationQuant
-from mxfx.kernels import mx, sm90_tile as tile, wgmma_guard
-from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
+from mxfx.kernels import sm90_tile as tile, wgmma_guard
+from mxfx.kernels.launch import Launcher, next_power_of_2
 
 
 # The K step, and the output columns per program without a gated epilogue (GEMM2).
@@ -735,50 +732,23 @@ def _moe_per_pair_sm90(
             gl.store(ready + pair, 0)
 
 
-@triton.jit
-def _paired_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FMT: tl.constexpr, ROUNDING: tl.constexpr, PDL: tl.constexpr):
-    """Rows ``BLOCK_R * program_id(0) + [0, BLOCK_R)``, columns ``BLOCK_K * program_id(1) + [0,
-    BLOCK_K)`` of :func:`paired`. ``PDL``: launched by PDL; the next launch may start at once."""
-    if PDL:
-        gdc_launch_dependents()
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (r < M)[:, None] & (k < K)[None, :]
-    v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
-    if FMT != 0:
-        v = mx.qdq(v, FMT, ROUNDING, BLOCK_R, BLOCK_K)
-    # Value 4h + r of each 8 to 2r + h, permuted in registers so that the stores stay contiguous.
-    v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_R, BLOCK_K // 8, 2, 4)), (0, 1, 3, 2)), (BLOCK_R, BLOCK_K))
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + k[None, :], v, mask=ok)
-    if PDL:  # as every grid launched by PDL: its end implies the previous grid's (see PDL_TRIGGER)
-        gdc_wait()
-
-
 GEMM_SM90 = Launcher(_moe_gemm_sm90)
 PER_PAIR_SM90 = Launcher(_moe_per_pair_sm90)
 wgmma_guard.guard("_moe_gemm_sm90")
-_PAIRED = Launcher(_paired_kernel)
 
 
 def paired(x: torch.Tensor, aq: ActivationQuant = ActivationQuant(), pdl: bool = False) -> torch.Tensor:
-    """``x [M, K]`` (unit column stride, K a multiple of 8) → a ``[M, K]`` copy in the paired
-    order of :func:`sm90_tile.paired_position` (value ``4h + r`` of every 8 at ``2r + h``), the
-    activations that grouped mma.sync blocks read with ``X_ORDER = ORDER_PAIRED``. Under
-    activation quantization (``aq``; K a multiple of 32) each 32-block is quantize-dequantized
-    on the way, as :func:`mxfx.kernels.mx.quantize_dequantize` does it. ``pdl``: launched by PDL
-    after the routing kernels (:func:`mxfx.kernels.routing.align`), the GEMM after it by PDL
-    too, which then waits for both."""
+    """``x [M, K]`` (unit column stride, K a multiple of 8) → ``[M, K]`` in the paired order of
+    :func:`sm90_tile.paired_position` (value ``4h + r`` of every 8 at ``2r + h``; a view of rows
+    padded to a multiple of 128 columns), the activations that grouped mma.sync blocks read with ``X_ORDER = ORDER_PAIRED``.
+    Under activation quantization (``aq``; K a multiple of 32) quantize-dequantized on the way;
+    ``pdl``: launched by PDL after the routing kernels (:func:`mxfx.kernels.routing.align`), the
+    GEMM after it by PDL too, which then waits for both (:func:`sm90_tile.ordered_copy`)."""
     M, K = x.shape
     if x.stride(1) != 1 or K % (32 if aq.fmt != "none" else 8):
         raise ValueError(f"paired: x must have unit column stride and K a multiple of "
                          f"{32 if aq.fmt != 'none' else 8}; got strides {tuple(x.stride())}, K = {K}")
-    out = torch.empty(M, K, dtype=x.dtype, device=x.device)
-    if M:
-        _PAIRED[(cdiv(M, 16), cdiv(K, 128))](x, out, M, K, x.stride(0), out.stride(0), BLOCK_R=16, BLOCK_K=128,
-                                             FMT=mx.FMT_CODES[aq.fmt], ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
-                                             PDL=pdl, **({"launch_pdl": True} if pdl else {}), num_warps=4)
-    return out
+    return tile.ordered_copy(x, aq, split=True, dot=False, pdl=pdl)[:, :K]
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,8 +65,6 @@ import math
 from typing import Sequence
 
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -74,9 +72,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from mxfx.backends.base import ActivationQuant, MoEWeights
-from mxfx.kernels import moe_sm90, mx, ptx_hints, wgmma_guard
+from mxfx.kernels import moe_sm90, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
-from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, step_permutation, tables_word, tile_cols,
+from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, ordered_copy, padded, tables_word, tile_cols,
                                     tile_row, unpack_a, w_layout, weight_rows)
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
@@ -601,34 +599,9 @@ def _redo(gemm, num_tiles, flags_ptr, K: gl.constexpr, A_ROW_DIV: gl.constexpr, 
                                      GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, 8, 64, DOT_ORDER_OUT, SPLIT=True)
 
 
-_STEP_PERM = tl.constexpr(step_permutation(False))
-_STEP_PERM_SPLIT = tl.constexpr(step_permutation(True))
-
-
-@triton.jit
-def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
-                      ROUNDING: tl.constexpr, SPLIT: tl.constexpr):
-    """Rows ``BLOCK_R * program_id(0) + [0, BLOCK_R)``, 128-wide step ``program_id(1)`` of
-    :func:`dot_order`."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k = tl.arange(0, 128)
-    r_ok = (r < M)[:, None]
-    v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + (tl.program_id(1) * 128 + k)[None, :],
-                mask=r_ok & (tl.program_id(1) * 128 + k < K)[None, :], other=0.0)
-    if FMT != 0:  # the 32-blocks are contiguous in natural order, not in the dot's
-        v = mx.qdq(v, FMT, ROUNDING, BLOCK_R, 128)
-    # Permuted in registers (sm90_tile.step_permutation) so that the stores stay contiguous: the
-    # same permutation as scattered 2-byte stores ran at 0.4 TB/s (H200, T=1024 28.4 µs).
-    v = tl.reshape(v, (BLOCK_R, 4, 4, 2, 2, 2))
-    v = tl.permute(v, _STEP_PERM_SPLIT.value if SPLIT else _STEP_PERM.value)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_om + (tl.program_id(1) * 128 + k)[None, :],
-             tl.reshape(v, (BLOCK_R, 128)), mask=r_ok)
-
-
 GEMM_SM90_WS = Launcher(_moe_gemm_sm90_ws)
 ptx_hints.l2_prefetch_128b("_moe_gemm_sm90_ws")
 wgmma_guard.guard("_moe_gemm_sm90_ws")
-_DOT_ORDER = Launcher(_dot_order_kernel)
 
 
 def splits(block_m: int) -> bool:
@@ -642,25 +615,14 @@ def splits(block_m: int) -> bool:
     return block_m <= SMALL_BLOCK_M
 
 
-def padded(k: int) -> int:
-    """Columns of a dot-ordered buffer for K = ``k``: the next multiple of 128."""
-    return -(-k // 128) * 128
-
-
 def dot_order(x: torch.Tensor, block_m: int, aq: ActivationQuant = ActivationQuant()) -> torch.Tensor:
     """``x [M, K]`` (unit column stride) → ``[M, padded(K)]`` in the dot's K order of each
     128-wide step, zeros past K: the activations :func:`_moe_gemm_sm90_ws` reads in blocks of
     ``block_m`` rows (the order of its unpack there, :func:`splits`). Under
     activation quantization (``aq``; K a multiple of 32) each 32-block is quantize-dequantized
-    on the way, as :func:`mxfx.kernels.mx.quantize_dequantize` does it."""
-    M, K = x.shape
-    out = torch.empty(M, padded(K), dtype=x.dtype, device=x.device)
-    if M:
-        _DOT_ORDER[(cdiv(M, 16), padded(K) // 128)](x, out, M, K, x.stride(0), out.stride(0), BLOCK_R=16,
-                                                     FMT=mx.FMT_CODES[aq.fmt],
-                                                     ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding],
-                                                     SPLIT=splits(block_m), num_warps=4)
-    return out
+    on the way, as :func:`mxfx.kernels.mx.quantize_dequantize` does it
+    (:func:`sm90_tile.ordered_copy`)."""
+    return ordered_copy(x, aq, splits(block_m))
 
 
 def fits(weights: MoEWeights, pairs: int, hidden: int, inter: int) -> bool:

@@ -245,7 +245,7 @@ def test_replayed_calls_match_emulation(fused, T, aq):
 def test_fast_launch_keys_on_alignment(monkeypatch):
     """Repeated launches reuse the compiled kernel; an input that is not 16-byte aligned gets
     a kernel specialized for it, and every result stays right."""
-    from mxfx.kernels import launch, moe_sm90
+    from mxfx.kernels import launch, moe_sm90, sm90_tile
 
     monkeypatch.setattr(launch, "ENABLED", True)
     monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # grouped blocks, two GEMM launches
@@ -256,7 +256,7 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 != 0
     ref = emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
-    launchers = (moe_portable.GEMM, moe_sm90.GEMM_SM90, moe_sm90._PAIRED)
+    launchers = (moe_portable.GEMM, moe_sm90.GEMM_SM90, sm90_tile._DOT_ORDER)
     # Earlier tests' launches of the same kernels, and their launch plans, are not counted.
     for g in launchers:
         monkeypatch.setattr(g, "_compiled", {})
@@ -286,7 +286,7 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     grouped blocks, by its paired copy's, the intermediate in GEMM1's epilogue); above that, weight rows not 16 bytes apart (so not the
     warp-specialized kernel of the next test) take its wgmma on 32-row blocks; weights not
     readable as words fall back to the portable kernel. All match emulation."""
-    from mxfx.kernels import moe_sm90, mx
+    from mxfx.kernels import moe_sm90, mx, sm90_tile
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
@@ -306,13 +306,14 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
             assert [(m["SYNC_MMA"], m["BLOCK_M"]) for m in calls] == [(sync, 8 if sync else 32)] * 2 and not in_one
     calls.clear()
     in_one.clear()
-    qdq, pairs = _spy(monkeypatch, mx._QDQ), _spy(monkeypatch, moe_sm90._PAIRED)
+    qdq, copies = _spy(monkeypatch, mx._QDQ), _spy(monkeypatch, sm90_tile._DOT_ORDER)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2, **kw)
     # x through the quantize pass (grouped mma.sync blocks: its paired copy), the intermediate in
     # GEMM1's epilogue.
     assert [m["AQ"] for m in calls + in_one] == ([1] if one else [1, 0])
     grouped = sync and not one
-    assert (len(qdq), [m["FMT"] for m in pairs]) == ((0, [mx.FMT_CODES["mxfp8"]]) if grouped else (1, []))
+    assert (len(qdq), [(m["FMT"], m["DOT"]) for m in copies]) == ((0, [(mx.FMT_CODES["mxfp8"], False)]) if grouped
+                                                                  else (1, []))
     calls.clear()
     in_one.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
@@ -513,7 +514,7 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     show here: in a CUDA graph replayed on new ids, again and again, the output equals to the bit
     the per-pair blocks' (no routing kernel, the k-sum in GEMM2) on the same ids, and emulation's
     up to rounding."""
-    from mxfx.kernels import moe_sm90, routing
+    from mxfx.kernels import moe_sm90, routing, sm90_tile
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
@@ -524,14 +525,14 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=T)
     gemms, sums = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_portable.SUM_SLOTS)
     counts, places = _spy(monkeypatch, routing._COUNT), _spy(monkeypatch, routing._PLACE)
-    pairs = _spy(monkeypatch, moe_sm90._PAIRED)
+    pairs = _spy(monkeypatch, sm90_tile._DOT_ORDER)
     eager = moe.fused_moe(x, tw, ids, W, GPT_OSS, ActivationQuant())
     assert [(m["PER_PAIR_E"], m["SYNC_MMA"], m["PDL"], m["launch_pdl"]) for m in gemms] == [
         (0, True, moe_sm90.PDL_WAIT_FIRST.value | moe_sm90.PDL_TRIGGER.value, True),
         (0, True, moe_sm90.PDL_WAIT_LOADS.value | moe_sm90.PDL_TRIGGER.value, True)]
     # Both GEMMs read paired activations: x's copy, launched by PDL after the routing, and the
     # intermediate as GEMM1 stores it.
-    assert [(m["PDL"], m["launch_pdl"]) for m in pairs] == [(True, True)]
+    assert [(m["SPLIT"], m["DOT"], m["PDL"], m["launch_pdl"]) for m in pairs] == [(True, False, True, True)]
     assert [(m["X_ORDER"], m["PAIRED_OUT"]) for m in gemms] == [(moe_sm90.ORDER_PAIRED.value, True),
                                                                (moe_sm90.ORDER_PAIRED.value, False)]
     assert [(m["PDL"], m["launch_pdl"]) for m in sums] == [(True, True)]
