@@ -169,7 +169,8 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     # Grouped 8-row blocks read paired activations: x's copy, and the intermediate as GEMM1 stores it.
     assert any("'X_ORDER': 2" in row["kernel"] and "'PAIRED_OUT': True" in row["kernel"] for row in sm90)
     assert any(row["kernel"].startswith("_dot_order_kernel") and "'DOT': False" in row["kernel"] for row in rows)
-    # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2); on grouped 8-row blocks the routing
+    # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2), and under activation quantization
+    # is launched by PDL after x's quantize pass (which lets it start); on grouped 8-row blocks the routing
     # kernels, x's paired copy, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by
     # PDL waits before it reads what the launch before it wrote: GEMM1, the placement and the k-sum
     # at once, GEMM2's K loop (and its redo, _k_loops_exact) only after its first steps' weight
@@ -181,6 +182,7 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     pdl = [(name, m, row) for name, m, row in launches if m.get("PDL")]
     assert {(name, m["PDL"], m.get("COUNTERS"), m.get("launch_pdl", False)) for name, m, _ in pdl} == {
         ("_moe_gemm_sm90", 1, 1, False), ("_moe_gemm_sm90", 4, 2, True),  # per pair
+        ("_qdq_kernel", True, None, False), ("_moe_gemm_sm90", 5, 1, True),  # per pair, x quantized
         ("_count_kernel", True, None, False), ("_place_kernel", True, None, True),  # the chain
         ("_dot_order_kernel", True, None, True), ("_moe_gemm_sm90", 3, 0, True), ("_moe_gemm_sm90", 5, 0, True),
         ("_sum_slots", True, None, True)}

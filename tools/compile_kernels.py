@@ -119,12 +119,14 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
                             moe.fused_moe(x, tw, ids, w, GPT_OSS, ActivationQuant(fmt, "even"))
             mx.dequantize_mxfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), dtype)
         # One token as in a CUDA graph (two launches) on an H200 (132 SMs, not the one counted
-        # here), where per-pair GEMM1 runs each program's K loop in two warpgroups (moe._halves).
+        # here), where per-pair GEMM1 runs each program's K loop in two warpgroups (moe._halves);
+        # under activation quantization launched by PDL after x's quantize pass.
         moe.num_sms = lambda device: 132
         moe._sync_buffer = lambda x: None
-        moe.fused_moe(torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, k, dtype=torch.bfloat16),
-                      torch.arange(k, dtype=torch.int32).reshape(1, k), _weights(E, H, I, torch.bfloat16, True),
-                      GPT_OSS, ActivationQuant())
+        for aq in (ActivationQuant(), ActivationQuant("mxfp8", "even")):
+            moe.fused_moe(torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, k, dtype=torch.bfloat16),
+                          torch.arange(k, dtype=torch.int32).reshape(1, k), _weights(E, H, I, torch.bfloat16, True),
+                          GPT_OSS, aq)
         # Grouped 8-row blocks on Hopper (per-pair blocks off; 2.5 rows per expert), the routing
         # in two kernels (80 pairs): a chain of launches by PDL.
         moe.PER_PAIR_REPEAT_BYTES = 0

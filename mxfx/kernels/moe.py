@@ -139,6 +139,7 @@ def _gemm(
     k_sum: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
     pdl_chain: bool = False,
     paired: bool = False,
+    after_pdl: bool = False,
 ) -> None:
     """One grouped GEMM launch. ``a_mx``: ``a`` holds MX elements (:func:`mx.quantize`) in
     this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only). The
@@ -148,7 +149,10 @@ def _gemm(
     ``[T, H]`` output, k), also sums the slots into that output. ``pdl_chain`` (moe_sm90 on
     grouped blocks): launched by PDL (:func:`_pdl_chain`), GEMM1 (no ``route_weights``) after
     the routing kernels, GEMM2 after GEMM1. ``paired`` (moe_sm90 on grouped mma.sync blocks):
-    ``a`` is in the paired order (:func:`moe_sm90.paired`), and GEMM1 stores the intermediate so."""
+    ``a`` is in the paired order (:func:`moe_sm90.paired`), and GEMM1 stores the intermediate so.
+    ``after_pdl``: ``a`` is written by the launch just before, which lets the next one start at
+    once (``dependents`` of :func:`mx.quantize_dequantize`): per-pair GEMM1 is then launched by
+    PDL, and issues its first weight loads before it waits for that launch."""
     quantized = w_scale is not None
     s = w_scale if quantized else w  # unused pointer when float
     b = bias if bias is not None else w
@@ -213,7 +217,7 @@ def _gemm(
         if per_pair["XROW"] and per_pair["COUNTERS"]:
             # GEMM1 lets GEMM2 start at once, where GEMM2 is launched by PDL (_pdl_gemm2).
             if k_sum is None:
-                pdl = moe_sm90.PDL_TRIGGER.value
+                pdl = moe_sm90.PDL_TRIGGER.value | (moe_sm90.PDL_WAIT_LOADS.value if after_pdl else 0)
             elif _pdl_gemm2(programs, cdiv(cdiv(k_in, moe_sm90.BLOCK_K), split_k), a.device):
                 pdl = moe_sm90.PDL_WAIT_LOADS.value
         elif pdl_chain:
@@ -494,10 +498,19 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # 158.5-158.6; MiniMax-M3 T=8 290.9-293.7 / 280.9-284.4, T=64 1064.0-1076.6 / 1041.7-1049.9;
     # Mixtral-8x7B T=16 259.6-263.9 / 244.2-258.2; Qwen3-30B-A3B T=64 130.3-130.9 / 126.9-127.3.
     chain = _pdl_chain(cfg, routing)
+    # Per-pair GEMM1 (its activation row read into shared memory) is launched by PDL after x's
+    # quantize pass, so it issues its first weight loads while the pass runs (the one-launch
+    # kernel is not launched by PDL). Same outputs to the bit; H200, graph µs, min-max of 2
+    # alternating processes, W4A8 before / after, W4A4 before / after: Qwen3-30B-A3B T=1
+    # 17.0-17.2 / 16.2-16.4, 17.2-17.5 / 16.2-16.4; gpt-oss-20b T=1 26.7-27.1 / 26.1-26.4,
+    # 27.5-27.6 / 26.2-26.3; Mixtral-8x7B T=1 69.3-70.3 / 69.5-69.7, 71.1 / 69.0; gpt-oss-120b
+    # T=1 26.4-26.6 / 25.7-26.7, 26.3-26.5 / 25.8-26.4, T=4 79.1-80.5 / 78.3-78.8, 79.2 / 78.0-78.5.
+    after_pdl = aq.fmt != "none" and cfg.sm90 and bool(routing.per_pair_experts) and bool(cfg.x_row_stages)
     if chain:
         x_in = moe_sm90.paired(x, aq, pdl=True)
     else:
-        x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding)
+        x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding,
+                                                                dependents=after_pdl)
     # (The one launch's waiting programs read their activation row into shared memory: tiles
     # forced without x_row_stages, as tools/moe_kernel_timing.py's, take the two.)
     if (cfg.sm90 and routing.per_pair_experts and cfg.x_row_stages and sync is not None
@@ -505,7 +518,8 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
         return _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
     counters = _k_sum_counters(routing, T, H, x.device)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
-          H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain, paired=chain)
+          H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain, paired=chain,
+          after_pdl=after_pdl)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters,
                           pdl_chain=chain, paired=chain)
 

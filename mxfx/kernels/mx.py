@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from mxfx import formats
 from mxfx.kernels.launch import Launcher, cdiv
@@ -299,7 +300,9 @@ def quantize_parts(x, FMT: tl.constexpr, ROUNDING: tl.constexpr, BM: tl.constexp
 
 @triton.jit
 def _qdq_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, FMT: tl.constexpr, ROUNDING: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr):
+                BM: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -312,11 +315,13 @@ _QDQ = Launcher(_qdq_kernel)
 
 
 def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even",
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        out: Optional[torch.Tensor] = None, dependents: bool = False) -> torch.Tensor:
     """:func:`mxfx.formats.quantize_dequantize` of a 2-D ``x [M, K]`` (K a multiple of 32)
     computed by :func:`qdq` in a Triton kernel; ``fmt`` is ``"mxfp8"`` or ``"mxfp4"``.
     ``out``: where to write (``x`` itself for in place; x's shape and dtype, unit stride along K;
-    by default a new contiguous tensor)."""
+    by default a new contiguous tensor). ``dependents`` (CUDA): a launch after it by PDL
+    (programmatic dependent launch) may start at once, and must wait for it before reading
+    ``out``."""
     if fmt not in ("mxfp8", "mxfp4"):
         raise ValueError(f"fmt: got {fmt!r}, expected 'mxfp8' or 'mxfp4'")
     formats.check_scale_rounding(scale_rounding)
@@ -330,7 +335,7 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, scale_rounding: str = "even",
     grid = (cdiv(M, bm), cdiv(K, bk))
     if M and K:
         _QDQ[grid](x, out, M, K, x.stride(0), out.stride(0), FMT=FMT_CODES[fmt],
-                   ROUNDING=ROUNDING_CODES[scale_rounding], BM=bm, BK=bk)
+                   ROUNDING=ROUNDING_CODES[scale_rounding], BM=bm, BK=bk, PDL=dependents)
     return out
 
 

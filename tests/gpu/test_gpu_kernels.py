@@ -506,6 +506,48 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     assert torch.equal(replayed, again) and torch.equal(again, grouped)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_per_pair_gemm1_waits_for_the_quantize_pass_by_pdl(monkeypatch, fmt):
+    """Under activation quantization one token's GEMM1 (per-pair blocks, two launches as in a
+    CUDA graph) is launched by PDL after x's quantize pass, which lets it start at once: it
+    issues its first weight loads, then waits for the pass before it reads x. Replayed in a
+    graph on new x, each replay equals the call on that x to the bit (a read of x before the
+    wait would see the previous one) and is close to emulation."""
+    from mxfx.kernels import moe_sm90, mx
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    E, H, I, k = 8, 2880, 2880, 4
+    aq = ActivationQuant(fmt, "even")
+    monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
+    W = _weights(E, H, I, torch.bfloat16)
+    x, tw, ids = _inputs(1, H, E, k, torch.bfloat16, seed=0)
+    gemms, passes = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, mx._QDQ)
+    out = moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
+    assert [m["PDL"] for m in passes] == [True]
+    assert [(m["AQ"] != 0, m["HALVES"], m["PDL"], m["launch_pdl"]) for m in gemms] == [
+        (True, True, moe_sm90.PDL_TRIGGER.value | moe_sm90.PDL_WAIT_LOADS.value, True),
+        (False, False, moe_sm90.PDL_WAIT_LOADS.value, True)]
+    assert _rel_err(out, emulation.moe(x, tw, ids, W, GPT_OSS, aq)) <= 1e-2
+    x = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
+    for seed in (1, 2, 3):
+        x.copy_(_inputs(1, H, E, k, torch.bfloat16, seed=seed)[0])
+        graph.replay()
+        expected = moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, expected)
+        assert _rel_err(replayed, emulation.moe(x, tw, ids, W, GPT_OSS, aq)) <= 1e-2
+
+
 @pytest.mark.parametrize("T", [8, 20])
 def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     """On Hopper, grouped 8-row mma.sync blocks run the routing kernels (one; at T=20, 80 pairs,
