@@ -505,7 +505,8 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # 17.0-17.2 / 16.2-16.4, 17.2-17.5 / 16.2-16.4; gpt-oss-20b T=1 26.7-27.1 / 26.1-26.4,
     # 27.5-27.6 / 26.2-26.3; Mixtral-8x7B T=1 69.3-70.3 / 69.5-69.7, 71.1 / 69.0; gpt-oss-120b
     # T=1 26.4-26.6 / 25.7-26.7, 26.3-26.5 / 25.8-26.4, T=4 79.1-80.5 / 78.3-78.8, 79.2 / 78.0-78.5.
-    after_pdl = aq.fmt != "none" and cfg.sm90 and bool(routing.per_pair_experts) and bool(cfg.x_row_stages)
+    row_in_smem = cfg.sm90 and bool(routing.per_pair_experts) and bool(cfg.x_row_stages)
+    after_pdl = aq.fmt != "none" and row_in_smem
     if chain:
         x_in = moe_sm90.paired(x, aq, pdl=True)
     else:
@@ -513,8 +514,7 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
                                                                 dependents=after_pdl)
     # (The one launch's waiting programs read their activation row into shared memory: tiles
     # forced without x_row_stages, as tools/moe_kernel_timing.py's, take the two.)
-    if (cfg.sm90 and routing.per_pair_experts and cfg.x_row_stages and sync is not None
-            and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel()):
+    if row_in_smem and sync is not None and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel():
         return _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
     counters = _k_sum_counters(routing, T, H, x.device)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,

@@ -740,8 +740,9 @@ wgmma_guard.guard("_moe_gemm_sm90")
 def paired(x: torch.Tensor, aq: ActivationQuant = ActivationQuant(), pdl: bool = False) -> torch.Tensor:
     """``x [M, K]`` (unit column stride, K a multiple of 8) → ``[M, K]`` in the paired order of
     :func:`sm90_tile.paired_position` (value ``4h + r`` of every 8 at ``2r + h``; a view of rows
-    padded to a multiple of 128 columns), the activations that grouped mma.sync blocks read with ``X_ORDER = ORDER_PAIRED``.
-    Under activation quantization (``aq``; K a multiple of 32) quantize-dequantized on the way;
+    padded to a multiple of 128 columns), the activations that grouped mma.sync blocks read with
+    ``X_ORDER = ORDER_PAIRED``. Under activation quantization (``aq``; K a multiple of 32)
+    quantize-dequantized on the way;
     ``pdl``: launched by PDL after the routing kernels (:func:`mxfx.kernels.routing.align`), the
     GEMM after it by PDL too, which then waits for both (:func:`sm90_tile.ordered_copy`)."""
     M, K = x.shape
