@@ -169,6 +169,10 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     # Grouped 8-row blocks read paired activations: x's copy, and the intermediate as GEMM1 stores it.
     assert any("'X_ORDER': 2" in row["kernel"] and "'PAIRED_OUT': True" in row["kernel"] for row in sm90)
     assert any(row["kernel"].startswith("_dot_order_kernel") and "'DOT': False" in row["kernel"] for row in rows)
+    # The one-launch per-pair kernel under activation quantization quantize-dequantizes x's row
+    # as its GEMM1 programs read it, without spills.
+    x_qdq = [row for row in rows if row["kernel"].startswith("_moe_per_pair_sm90") and "'X_QDQ': True" in row["kernel"]]
+    assert x_qdq and not [row["kernel"] for row in x_qdq if row.get("spill_bytes")]
     # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2), and under activation quantization
     # is launched by PDL after x's quantize pass (which lets it start); on grouped 8-row blocks the routing
     # kernels, x's paired copy, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by

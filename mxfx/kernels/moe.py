@@ -389,9 +389,9 @@ def fused_moe(
     Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[S, T*k, H]`` float32 (S =
     ``split_k2`` of :func:`pick_config`), on per-pair blocks ``T * H/64`` int32 counters (in
     eager calls, where both GEMMs are one launch, persistent ones: :func:`_sync_buffer`), and
-    under activation quantization the
-    quantize-dequantized ``x``, on grouped mma.sync blocks ``x`` in the paired order (quantize-
-    dequantized on the way, if so); in the warp-specialized kernel ``x`` dot-ordered and both it
+    under activation quantization the quantize-dequantized ``x`` (not in that one launch, whose
+    GEMM1 quantizes x's rows as it reads them), on grouped mma.sync blocks ``x`` in the paired
+    order (quantize-dequantized on the way, if so); in the warp-specialized kernel ``x`` dot-ordered and both it
     and the intermediate padded to a multiple of 128 columns (under activation quantization
     the intermediate twice: as GEMM1 stores it, and dot-ordered), and in its blocks of up to 64
     rows 3 int32 words per tile of each GEMM (whether it met a scale over 128). Replayed from a
@@ -427,20 +427,21 @@ def _sync_buffer(x: torch.Tensor) -> Optional[torch.Tensor]:
     return buf
 
 
-def _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync) -> torch.Tensor:
+def _per_pair_in_one(x, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync) -> torch.Tensor:
     """Both GEMMs and the k-sum on per-pair blocks in one launch
-    (:func:`moe_sm90._moe_per_pair_sm90`): same results as the two launches, to the bit."""
-    T, H = x_in.shape
+    (:func:`moe_sm90._moe_per_pair_sm90`), x quantize-dequantized under ``aq`` by GEMM1's
+    programs as they read it: same results as the two launches, to the bit."""
+    T, H = x.shape
     k = topk_ids.shape[1]
     inter_size = inter.shape[1]
-    y = torch.empty(cfg.split_k2, T * k, H, dtype=torch.float32, device=x_in.device)
-    out = torch.empty(T, H, dtype=x_in.dtype, device=x_in.device)
+    y = torch.empty(cfg.split_k2, T * k, H, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     w13, s13, w2, s2 = weights.w13, weights.w13_scale, weights.w2, weights.w2_scale
     b13 = weights.w13_bias if weights.w13_bias is not None else w13
     b2 = weights.w2_bias if weights.w2_bias is not None else w2
     interleaved = act.layout == "interleaved"
     moe_sm90.PER_PAIR_SM90[(T * k * (cdiv(inter_size, 32) + cdiv(H, moe_sm90.BLOCK_N2) * cfg.split_k2),)](
-        x_in, x_in.stride(0),
+        x, x.stride(0),
         w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1), b13, b13.stride(0), b13.stride(-1),
         inter, inter.stride(0),
         w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0), b2.stride(-1),
@@ -450,7 +451,7 @@ def _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter,
         H=H, I=inter_size, E=weights.num_experts, TOPK=k, GATE_STRIDE=2 if interleaved else 1,
         HAS_LIMIT=act.limit is not None, HAS_BIAS1=weights.w13_bias is not None,
         HAS_BIAS2=weights.w2_bias is not None, SPLIT_K=cfg.split_k2, AQ=mx.FMT_CODES[aq.fmt],
-        AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding], XROW=cfg.x_row_stages,
+        AQ_ROUNDING=mx.ROUNDING_CODES[aq.scale_rounding], XROW=cfg.x_row_stages, X_QDQ=aq.fmt != "none",
         # The ids' device-side check (as the per-pair GEMMs), without overflow checks.
         debug=True, sanitize_overflow=False, num_warps=4, num_stages=1)
     return out
@@ -498,24 +499,31 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # 158.5-158.6; MiniMax-M3 T=8 290.9-293.7 / 280.9-284.4, T=64 1064.0-1076.6 / 1041.7-1049.9;
     # Mixtral-8x7B T=16 259.6-263.9 / 244.2-258.2; Qwen3-30B-A3B T=64 130.3-130.9 / 126.9-127.3.
     chain = _pdl_chain(cfg, routing)
-    # Per-pair GEMM1 (its activation row read into shared memory) is launched by PDL after x's
-    # quantize pass, so it issues its first weight loads while the pass runs (the one-launch
-    # kernel is not launched by PDL). Same outputs to the bit; H200, graph µs, min-max of 2
-    # alternating processes, W4A8 before / after, W4A4 before / after: Qwen3-30B-A3B T=1
+    row_in_smem = cfg.sm90 and bool(routing.per_pair_experts) and bool(cfg.x_row_stages)
+    # In an eager call the per-pair GEMMs run as one launch, whose GEMM1 programs quantize-
+    # dequantize x's row as they read it: no quantize pass, one launch fewer on a host-bound
+    # call. Same outputs to the bit; H200, gpt-oss-120b T=1, pass / in GEMM1: host µs per call
+    # 5.5-6.4 over A16's in the same process / level with it; the call's GPU µs W4A8 39.9-40.2 /
+    # 38.2-38.4, W4A4 40.2-40.4 / 39.5-39.7 (A16 37.2-37.5). (The one launch's waiting programs
+    # read their activation row into shared memory: tiles forced without x_row_stages, as
+    # tools/moe_kernel_timing.py's, take the two.)
+    if row_in_smem and sync is not None and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel():
+        return _per_pair_in_one(x, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
+    # In two launches (a CUDA graph) per-pair GEMM1 is launched by PDL after x's quantize pass,
+    # so it issues its first weight loads while the pass runs; there the pass beats quantizing in
+    # GEMM1, which each of its programs does again (H200, graph µs, pass / in GEMM1, W4A4:
+    # MiniMax-M3 T=1 45.7-45.8 / 47.5-48.0, gpt-oss-120b T=2 46.8-47.4 / 48.5-48.6, T=4
+    # 79.2-79.4 / 80.9-81.5). The pass by PDL against before it, same outputs to the bit;
+    # W4A8 before / after, W4A4 before / after: Qwen3-30B-A3B T=1
     # 17.0-17.2 / 16.2-16.4, 17.2-17.5 / 16.2-16.4; gpt-oss-20b T=1 26.7-27.1 / 26.1-26.4,
     # 27.5-27.6 / 26.2-26.3; Mixtral-8x7B T=1 69.3-70.3 / 69.5-69.7, 71.1 / 69.0; gpt-oss-120b
     # T=1 26.4-26.6 / 25.7-26.7, 26.3-26.5 / 25.8-26.4, T=4 79.1-80.5 / 78.3-78.8, 79.2 / 78.0-78.5.
-    row_in_smem = cfg.sm90 and bool(routing.per_pair_experts) and bool(cfg.x_row_stages)
     after_pdl = aq.fmt != "none" and row_in_smem
     if chain:
         x_in = moe_sm90.paired(x, aq, pdl=True)
     else:
         x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding,
                                                                 dependents=after_pdl)
-    # (The one launch's waiting programs read their activation row into shared memory: tiles
-    # forced without x_row_stages, as tools/moe_kernel_timing.py's, take the two.)
-    if row_in_smem and sync is not None and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel():
-        return _per_pair_in_one(x_in, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
     counters = _k_sum_counters(routing, T, H, x.device)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
           H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain, paired=chain,

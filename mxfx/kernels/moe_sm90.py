@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from mxfx.backends.base import ActivationQuant
-from mxfx.kernels import sm90_tile as tile, wgmma_guard
+from mxfx.kernels import mx, sm90_tile as tile, wgmma_guard
 from mxfx.kernels.launch import Launcher, next_power_of_2
 
 
@@ -239,18 +239,25 @@ def _x_row_layout(NI):
 
 
 @gluon.jit
-def _x_row_to_smem(a_ptr, row, k_lo, k_end, NS: gl.constexpr, NI: gl.constexpr):
+def _x_row_to_smem(a_ptr, row, k_lo, k_end, NS: gl.constexpr, NI: gl.constexpr, XQ: gl.constexpr,
+                   XQ_ROUNDING: gl.constexpr):
     """A per-pair block's one activation row, K from ``k_lo`` (zeros from ``k_end`` on), in
     shared memory as ``[NS', 128 NI]`` (NS' >= NS steps), for every lane to read in the K
     loop: no activation registers carried from one step to the next. In the paired order
     (:func:`sm90_tile.paired_position`): paired here once, not in every step by every lane
-    (a tenth of the per-pair K loop's instructions)."""
+    (a tenth of the per-pair K loop's instructions). ``XQ`` (a format code of
+    :data:`mx.FMT_CODES`, 0 none): quantize-dequantized on the way as :func:`mx.qdq` does it,
+    with ``XQ_ROUNDING`` (``k_lo`` and ``k_end`` are multiples of 32, so the zeros past
+    ``k_end`` fill whole 32-blocks)."""
     NSP: gl.constexpr = _pow2_at_least(NS)
     XR: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
     kk = gl.arange(0, NSP * 128 * NI, layout=XR)
     XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     x_all = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [NSP * 128 * NI], XS)
     xr = gl.load(a_ptr + row + (k_lo + kk), mask=k_lo + kk < k_end, other=0.0)
+    if XQ != 0:
+        xr = gl.reshape(mx.qdq(gl.reshape(xr, [1, NSP * 128 * NI]), XQ, XQ_ROUNDING, 1, NSP * 128 * NI),
+                        [NSP * 128 * NI])
     x_all.store(gl.convert_layout(tile.to_paired(xr), XR))
     return x_all._reinterpret(a_ptr.dtype.element_ty, [NSP, 128 * NI], XS)
 
@@ -350,9 +357,10 @@ def _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_
 def _k_loop_x_row(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, k_lo, k_end, NFULL: gl.constexpr,
                   NS: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
-                  A_L: gl.constexpr, B_L: gl.constexpr, SMALL_SCALES: gl.constexpr):
+                  A_L: gl.constexpr, B_L: gl.constexpr, SMALL_SCALES: gl.constexpr, XQ: gl.constexpr,
+                  XQ_ROUNDING: gl.constexpr):
     """The K loop of a per-pair block on mma.sync with its activation row in shared memory
-    (:func:`_x_row_to_smem`) and the weights loaded ``STAGES`` steps ahead."""
+    (:func:`_x_row_to_smem`, ``XQ`` as there) and the weights loaded ``STAGES`` steps ahead."""
     bufs = ()
     for j in gl.static_range(STAGES):
         if j < NS:
@@ -364,7 +372,7 @@ def _k_loop_x_row(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready, 
         ok = gl.inline_asm_elementwise(_WAIT, "=r,l,r", [ready.to(gl.int64, bitcast=True), WAIT],
                                        dtype=gl.int32, is_pure=False, pack=1) >= WAIT
         x_end = gl.where(ok, k_end, k_lo)
-    x_all = _x_row_to_smem(a_ptr, row, k_lo, x_end, NS, NI)
+    x_all = _x_row_to_smem(a_ptr, row, k_lo, x_end, NS, NI, XQ, XQ_ROUNDING)
     ITER: gl.constexpr = (NFULL - STAGES) // STAGES if NFULL >= STAGES else 0
     if ITER > 0:
         for it in range(ITER):
@@ -391,15 +399,17 @@ def _k_loops(acc, smax, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn
              GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
              PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-             B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr, X_ORDER: gl.constexpr = 0):
+             B_L: gl.constexpr, SYNC_MMA: gl.constexpr, SMALL_SCALES: gl.constexpr, X_ORDER: gl.constexpr = 0,
+             XQ: gl.constexpr = 0, XQ_ROUNDING: gl.constexpr = 0):
     """The program's K loop over expert ``e64``'s weight rows from ``n0``: :func:`_k_loop_x_row`
-    where ``XROW`` (per-pair blocks), else :func:`_k_loop` (``X_ORDER`` as there)."""
+    where ``XROW`` (per-pair blocks; ``XQ`` as there), else :func:`_k_loop` (``X_ORDER`` as there)."""
     w_rows, s_rows, wc, sg, tables = tile.weight_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
                                                       n0, N, up_offset, GATED, GATE_STRIDE, 64, NI, WL)
     if XROW:
         row = (blk // A_ROW_DIV).to(gl.int64) * stride_am
         return _k_loop_x_row(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, row, ready_ptr + blk, k_lo, k_end,
-                             NFULL, NS, XROW, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SMALL_SCALES)
+                             NFULL, NS, XROW, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SMALL_SCALES, XQ,
+                             XQ_ROUNDING)
     else:
         return _k_loop(acc, smax, w_rows, s_rows, wc, sg, tables, a_ptr, stride_am, sorted_ptr, blk, nrows, k_lo,
                        k_end, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L,
@@ -412,7 +422,8 @@ def _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64
                    GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
                    PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-                   B_L: gl.constexpr, MMA: gl.constexpr, X_ORDER: gl.constexpr = 0):
+                   B_L: gl.constexpr, MMA: gl.constexpr, X_ORDER: gl.constexpr = 0, XQ: gl.constexpr = 0,
+                   XQ_ROUNDING: gl.constexpr = 0):
     """:func:`_k_loops` on mma.sync by the unpack exact for every scale, from a zero accumulator. A
     call, not inlined: inlined, the second loop kept addresses of the first alive (per-pair GEMM2
     at T=1, K split in 4: 80 -> 117 registers, 6 -> 4 programs per SM; called, 88)."""
@@ -420,7 +431,7 @@ def _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64
     acc, _ = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
                       stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr,
                       k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW, BLOCK_M,
-                      BLOCK_K, NI, WL, XL, A_L, B_L, True, False, X_ORDER)
+                      BLOCK_K, NI, WL, XL, A_L, B_L, True, False, X_ORDER, XQ, XQ_ROUNDING)
     return acc
 
 
@@ -455,8 +466,10 @@ def _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e
                      GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr, NS: gl.constexpr, A_ROW_DIV: gl.constexpr,
                      PER_PAIR: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-                     B_L: gl.constexpr, MMA: gl.constexpr, SYNC_MMA: gl.constexpr, X_ORDER: gl.constexpr = 0):
-    """:func:`_k_loops` from a zero accumulator (``X_ORDER`` as :func:`_k_loop`'s). The mma.sync
+                     B_L: gl.constexpr, MMA: gl.constexpr, SYNC_MMA: gl.constexpr, X_ORDER: gl.constexpr = 0,
+                     XQ: gl.constexpr = 0, XQ_ROUNDING: gl.constexpr = 0):
+    """:func:`_k_loops` from a zero accumulator (``X_ORDER`` as :func:`_k_loop`'s, ``XQ`` as
+    :func:`_x_row_to_smem`'s). The mma.sync
     loops unpack by one multiply that is exact for scales up to 128 (32-blocks whose largest
     weight is under 16, or 12 with round-up scales); where the loop met a larger scale it runs
     again by the unpack exact for every scale (:func:`_k_loops_exact`): such weights cost it
@@ -465,13 +478,13 @@ def _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e
     acc, smax = _k_loops(gl.zeros([64, BLOCK_M], gl.float32, layout=MMA), smax, w_ptr, stride_we, stride_wn, s_ptr,
                          stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am, sorted_ptr, blk, nrows,
                          ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW,
-                         BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA, SYNC_MMA, X_ORDER)
+                         BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, SYNC_MMA, SYNC_MMA, X_ORDER, XQ, XQ_ROUNDING)
     if SYNC_MMA:
         if tile.over_small_scales(smax):
             acc = _k_loops_exact(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
                                  a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
                                  NFULL, NS, A_ROW_DIV, PER_PAIR, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
-                                 B_L, MMA, X_ORDER)
+                                 B_L, MMA, X_ORDER, XQ, XQ_ROUNDING)
     return acc
 
 
@@ -529,6 +542,7 @@ def _program(
     HALVES: gl.constexpr = False,
     X_ORDER: gl.constexpr = 0,
     PAIRED_OUT: gl.constexpr = False,
+    X_QDQ: gl.constexpr = False,
 ):
     """Program ``pid`` of the GEMM (the kernels' arguments are documented at
     :func:`_moe_gemm_sm90`). ``WAIT``: before reading its activations, wait until
@@ -538,11 +552,16 @@ def _program(
     many steps ahead; 0: :func:`_k_loop`'s. ``HALVES``: that loop in two warpgroups, half the K
     steps each (:func:`_half`; launched with ``HALF_REGS``). ``X_ORDER``: the activations' order
     along K (``ORDER_*``, as :func:`_k_loop`); ``PAIRED_OUT``: the output stored in the paired order
-    (:func:`paired`), for a GEMM2 that reads it so."""
+    (:func:`paired`), for a GEMM2 that reads it so. ``X_QDQ`` (``XROW``, not ``HALVES``): the
+    activation row quantize-dequantized as ``AQ``, ``AQ_ROUNDING`` say as it is read
+    (:func:`_x_row_to_smem`), not before the launch."""
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "activation row in shared memory: per-pair mma.sync")
     gl.static_assert(WAIT <= 0 or XROW != 0, "a program waiting on a counter reads its row into shared memory")
+    gl.static_assert(not X_QDQ or (XROW != 0 and AQ != 0 and not HALVES), "the row quantized as read: in shared "
+                     "memory, by one warpgroup, AQ given")
+    XQ: gl.constexpr = AQ if X_QDQ else 0
     BLOCK_N: gl.constexpr = tile.tile_cols(GATED)
     NI: gl.constexpr = BLOCK_K // 128
     WL: gl.constexpr = tile.w_layout(NI)
@@ -609,7 +628,7 @@ def _program(
         acc = _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset,
                                a_ptr, stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE,
                                NFULL, NS, A_ROW_DIV, PER_PAIR_E != 0, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L,
-                               B_L, MMA, SYNC_MMA, X_ORDER)
+                               B_L, MMA, SYNC_MMA, X_ORDER, XQ, AQ_ROUNDING)
     tile.epilogue(acc, blk, nrows, n0, ks, e64, sorted_ptr, bias_ptr, stride_be, stride_bn, rw_ptr, out_ptr,
                   stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS,
                   ROUTE_WEIGHT, BLOCK_M, 64, False, PER_PAIR_E != 0, AQ, AQ_ROUNDING, PAIRED_OUT=PAIRED_OUT)
@@ -690,6 +709,7 @@ def _moe_per_pair_sm90(
     AQ: gl.constexpr = 0,
     AQ_ROUNDING: gl.constexpr = 0,
     XROW: gl.constexpr = 0,
+    X_QDQ: gl.constexpr = False,
 ):
     """Both GEMMs of a call on per-pair blocks (``routing.per_pair``; mma.sync on 8-row
     blocks), with their epilogues and the k-sum, in one launch: GEMM1's programs, then GEMM2's,
@@ -700,7 +720,8 @@ def _moe_per_pair_sm90(
     programs of p issue their first weight loads, wait for all of them, and count themselves
     after. ``sync_ptr[1 + num_pairs:]`` holds the k-sum's counters (:func:`_sum_when_last`).
     Every counter is zero at the start and left at zero by the last program that uses it, so
-    ``sync_ptr`` must not be shared by two calls at once."""
+    ``sync_ptr`` must not be shared by two calls at once. ``X_QDQ``: GEMM1's programs
+    quantize-dequantize x's row as they read it (:func:`_program`)."""
     N1: gl.constexpr = (I + 31) // 32  # GEMM1 programs per pair (gated: 32 columns each)
     N2: gl.constexpr = (H + _BLOCK_N2 - 1) // _BLOCK_N2 * SPLIT_K  # GEMM2 programs per pair
     ticket = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -713,7 +734,7 @@ def _moe_per_pair_sm90(
                  b1_ptr, stride_b1e, stride_b1n, rw_ptr, ids_ptr, ids_ptr, ids_ptr, inter_ptr, 0, stride_im,
                  I, up_offset, alpha, beta, limit, ready, 0, inter_ptr, 0, ready,
                  H, TOPK, True, GATE_STRIDE, HAS_LIMIT, HAS_BIAS1, False, 8, _BLOCK_K, 1, True, E, 0, 1,
-                 AQ, AQ_ROUNDING, 0, XROW)
+                 AQ, AQ_ROUNDING, 0, XROW, X_QDQ=X_QDQ)
         gl.thread_barrier()  # every thread's stores, then the release
         # An unrouted pair's GEMM2 programs do not wait for its GEMM1 programs, which may then
         # count last: whichever program counts last resets the counter.

@@ -282,8 +282,9 @@ def test_fast_launch_keys_on_alignment(monkeypatch):
 )
 def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     """On Hopper, bf16 MXFP4 up to 6 rows per expert runs :mod:`mxfx.kernels.moe_sm90` with
-    mma.sync on 8-row blocks (fused and unfused, and A8: x quantized by a pass of its own or, on
-    grouped blocks, by its paired copy's, the intermediate in GEMM1's epilogue); above that, weight rows not 16 bytes apart (so not the
+    mma.sync on 8-row blocks (fused and unfused, and A8: x quantized by a pass of its own, on
+    grouped blocks by its paired copy, in the one launch of per-pair blocks by GEMM1 as it reads
+    x; the intermediate in GEMM1's epilogue); above that, weight rows not 16 bytes apart (so not the
     warp-specialized kernel of the next test) take its wgmma on 32-row blocks; weights not
     readable as words fall back to the portable kernel. All match emulation."""
     from mxfx.kernels import moe_sm90, mx, sm90_tile
@@ -308,12 +309,13 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     in_one.clear()
     qdq, copies = _spy(monkeypatch, mx._QDQ), _spy(monkeypatch, sm90_tile._DOT_ORDER)
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, aq=ActivationQuant("mxfp8", "even"), tol=1e-2, **kw)
-    # x through the quantize pass (grouped mma.sync blocks: its paired copy), the intermediate in
-    # GEMM1's epilogue.
-    assert [m["AQ"] for m in calls + in_one] == ([1] if one else [1, 0])
+    # x through the quantize pass (grouped mma.sync blocks: its paired copy; the one launch: its
+    # GEMM1), the intermediate in GEMM1's epilogue.
+    assert ([(m["AQ"], m.get("X_QDQ", False)) for m in calls + in_one]
+            == ([(1, True)] if one else [(1, False), (0, False)]))
     grouped = sync and not one
     assert (len(qdq), [(m["FMT"], m["DOT"]) for m in copies]) == ((0, [(mx.FMT_CODES["mxfp8"], False)]) if grouped
-                                                                  else (1, []))
+                                                                  else (0 if one else 1, []))
     calls.clear()
     in_one.clear()
     _check(moe.fused_moe, T, E, H, I, k, torch.bfloat16, act, pad=5)
@@ -507,29 +509,45 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_per_pair_gemm1_waits_for_the_quantize_pass_by_pdl(monkeypatch, fmt):
-    """Under activation quantization one token's GEMM1 (per-pair blocks, two launches as in a
-    CUDA graph) is launched by PDL after x's quantize pass, which lets it start at once: it
-    issues its first weight loads, then waits for the pass before it reads x. Replayed in a
-    graph on new x, each replay equals the call on that x to the bit (a read of x before the
-    wait would see the previous one) and is close to emulation."""
-    from mxfx.kernels import moe_sm90, mx
+def test_per_pair_x_quantized_in_gemm1_or_by_a_pass_before_it(monkeypatch, fmt):
+    """Under activation quantization, one token on per-pair blocks (the row in shared memory):
+    eager, the one launch's GEMM1 programs quantize-dequantize x's row as they read it (no
+    quantize pass); in two launches, as in a CUDA graph, GEMM1 is launched by PDL after x's
+    quantize pass, which lets it start at once: it issues its first weight loads, then waits for
+    the pass before it reads x. Both equal, to the bit, the grouped blocks' output (x quantize-
+    dequantized by its paired copy), and emulation's up to rounding. Replayed in a graph on new
+    x, each replay equals the call on that x to the bit (a read of x before the wait would see
+    the previous one)."""
+    from mxfx.kernels import moe_sm90, mx, routing
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
     E, H, I, k = 8, 2880, 2880, 4
     aq = ActivationQuant(fmt, "even")
-    monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)
     monkeypatch.setattr(moe._FUSED, "_plans", {})
     W = _weights(E, H, I, torch.bfloat16)
     x, tw, ids = _inputs(1, H, E, k, torch.bfloat16, seed=0)
-    gemms, passes = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, mx._QDQ)
+    gemms, in_one, passes = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_sm90.PER_PAIR_SM90), \
+        _spy(monkeypatch, mx._QDQ)
+    eager = moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
+    assert [m["X_QDQ"] for m in in_one] == [True] and not gemms and not passes
+    monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
     out = moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
     assert [m["PDL"] for m in passes] == [True]
     assert [(m["AQ"] != 0, m["HALVES"], m["PDL"], m["launch_pdl"]) for m in gemms] == [
         (True, True, moe_sm90.PDL_TRIGGER.value | moe_sm90.PDL_WAIT_LOADS.value, True),
         (False, False, moe_sm90.PDL_WAIT_LOADS.value, True)]
+    assert torch.equal(out, eager)
     assert _rel_err(out, emulation.moe(x, tw, ids, W, GPT_OSS, aq)) <= 1e-2
+    with monkeypatch.context() as m:
+        m.setattr(moe, "_route", lambda ids, w, cfg: routing.align(ids, w.num_experts, cfg.block_m))
+        m.setattr(moe._FUSED, "_plans", {})
+        gemms.clear()
+        grouped = moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
+        assert [g["PER_PAIR_E"] for g in gemms] == [0, 0]
+    assert torch.equal(out, grouped)
+    monkeypatch.setattr(moe._FUSED, "_plans", {})
     x = x.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
