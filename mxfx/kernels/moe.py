@@ -503,7 +503,7 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # In an eager call the per-pair GEMMs run as one launch, whose GEMM1 programs quantize-
     # dequantize x's row as they read it: no quantize pass, one launch fewer on a host-bound
     # call. Same outputs to the bit; H200, gpt-oss-120b T=1, pass / in GEMM1: host µs per call
-    # 5.5-6.4 over A16's in the same process / level with it; the call's GPU µs W4A8 39.9-40.2 /
+    # 5.5-6.6 over A16's in the same process / level with it; the call's GPU µs W4A8 39.9-40.2 /
     # 38.2-38.4, W4A4 40.2-40.4 / 39.5-39.7 (A16 37.2-37.5). (The one launch's waiting programs
     # read their activation row into shared memory: tiles forced without x_row_stages, as
     # tools/moe_kernel_timing.py's, take the two.)
