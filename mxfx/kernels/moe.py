@@ -513,8 +513,8 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # so it issues its first weight loads while the pass runs; there the pass beats quantizing in
     # GEMM1, which each of its programs does again (H200, graph µs, pass / in GEMM1, W4A4:
     # MiniMax-M3 T=1 45.7-45.8 / 47.5-48.0, gpt-oss-120b T=2 46.8-47.4 / 48.5-48.6, T=4
-    # 79.2-79.4 / 80.9-81.5). The pass by PDL against before it, same outputs to the bit;
-    # W4A8 before / after, W4A4 before / after: Qwen3-30B-A3B T=1
+    # 79.2-79.4 / 80.9-81.5). GEMM1 launched by PDL against after the pass (same outputs to the
+    # bit), W4A8 before / after, W4A4 before / after: Qwen3-30B-A3B T=1
     # 17.0-17.2 / 16.2-16.4, 17.2-17.5 / 16.2-16.4; gpt-oss-20b T=1 26.7-27.1 / 26.1-26.4,
     # 27.5-27.6 / 26.2-26.3; Mixtral-8x7B T=1 69.3-70.3 / 69.5-69.7, 71.1 / 69.0; gpt-oss-120b
     # T=1 26.4-26.6 / 25.7-26.7, 26.3-26.5 / 25.8-26.4, T=4 79.1-80.5 / 78.3-78.8, 79.2 / 78.0-78.5.
