@@ -164,8 +164,10 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
     assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
     assert any("'PER_PAIR_E': 4" in row["kernel"] and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
-    # Per-pair GEMM1 in two warpgroups (one token on 132 SMs: moe._halves), at 80 registers.
+    # Per-pair GEMM1 in two warpgroups (one token on 132 SMs: moe._halves), at 80 registers,
+    # under activation quantization each quantizing its half of x's row.
     assert any("'HALVES': True" in row["kernel"] and "'GATED': True" in row["kernel"] for row in sm90)
+    assert any("'HALVES': True" in row["kernel"] and "'X_QDQ': True" in row["kernel"] for row in sm90)
     # Grouped 8-row blocks read paired activations: x's copy, and the intermediate as GEMM1 stores it.
     assert any("'X_ORDER': 2" in row["kernel"] and "'PAIRED_OUT': True" in row["kernel"] for row in sm90)
     assert any(row["kernel"].startswith("_dot_order_kernel") and "'DOT': False" in row["kernel"] for row in rows)
@@ -173,13 +175,13 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     # as its GEMM1 programs read it, without spills.
     x_qdq = [row for row in rows if row["kernel"].startswith("_moe_per_pair_sm90") and "'X_QDQ': True" in row["kernel"]]
     assert x_qdq and not [row["kernel"] for row in x_qdq if row.get("spill_bytes")]
-    # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2), and under activation quantization
-    # is launched by PDL after x's quantize pass (which lets it start); on grouped 8-row blocks the routing
-    # kernels, x's paired copy, both GEMMs and the k-sum are a chain (moe._pdl_chain). A launch by
-    # PDL waits before it reads what the launch before it wrote: GEMM1, the placement and the k-sum
-    # at once, GEMM2's K loop (and its redo, _k_loops_exact) only after its first steps' weight
-    # loads (a word and a scale load at least per step); the copy, which reads only x, after its
-    # copy. No other kernel has PDL instructions.
+    # PDL: per-pair GEMM1 lets GEMM2 start (moe._pdl_gemm2), and where it does not quantize x
+    # itself (moe._gemm1_quantizes_x) is launched by PDL after x's quantize pass (which lets it
+    # start); on grouped 8-row blocks the routing kernels, x's paired copy, both GEMMs and the
+    # k-sum are a chain (moe._pdl_chain). A launch by PDL waits before it reads what the launch
+    # before it wrote: GEMM1, the placement and the k-sum at once, GEMM2's K loop (and its redo,
+    # _k_loops_exact) only after its first steps' weight loads (a word and a scale load at least
+    # per step); the copy, which reads only x, after its copy. No other kernel has PDL instructions.
     launches = [(row["kernel"].split()[0], ast.literal_eval(row["kernel"][row["kernel"].index("{"):]), row)
                 for row in rows]
     assert all(("launches_dependents" in row) == bool(m.get("PDL")) for _, m, row in launches)
@@ -202,6 +204,10 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
             assert len(waits) == 1 and waits[0] >= 1, waits
         else:
             assert waits == ([0] if meta.get("launch_pdl") else []), (name, meta, waits)
+        if name == "_place_kernel" and not meta["ONE_CHUNK"]:
+            # It lets x's paired copy start, which writes before it waits, only once it has read
+            # the counts (a temporary whose bytes the copy's may reuse).
+            assert row["loads_before_trigger"] >= 1, row
     # The warp-specialized kernel's copies and loads carry the L2 prefetch hint (ptx_hints), no
     # other kernel's.
     for key in ("cp_async", "ld_global"):

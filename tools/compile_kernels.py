@@ -93,7 +93,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
     ptx = target.backend == "cuda" and target.arch >= 90
     native = target.arch >= 100 if target.backend == "cuda" else target.arch == "gfx950"
     saved = (launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma,
-             moe.PER_PAIR_REPEAT_BYTES, moe.num_sms, moe._sync_buffer)
+             moe.PER_PAIR_REPEAT_BYTES, moe.num_sms, moe._sync_buffer, moe._gemm1_quantizes_x)
     launch.Launcher._launch = record
     mx.ptx_unpack = lambda dtype, device: ptx and dtype == torch.bfloat16
     moe_sm90.runs_on = lambda device: target.backend == "cuda" and target.arch == 90
@@ -120,10 +120,13 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
             mx.dequantize_mxfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), dtype)
         # One token as in a CUDA graph (two launches) on an H200 (132 SMs, not the one counted
         # here), where per-pair GEMM1 runs each program's K loop in two warpgroups (moe._halves);
-        # under activation quantization launched by PDL after x's quantize pass.
+        # under activation quantization quantizing x's row itself (each warpgroup its half), and
+        # launched by PDL after x's quantize pass (moe._gemm1_quantizes_x).
         moe.num_sms = lambda device: 132
         moe._sync_buffer = lambda x: None
-        for aq in (ActivationQuant(), ActivationQuant("mxfp8", "even")):
+        for aq, in_gemm1 in ((ActivationQuant(), False), (ActivationQuant("mxfp8", "even"), True),
+                             (ActivationQuant("mxfp8", "even"), False)):
+            moe._gemm1_quantizes_x = lambda programs, hidden, device, in_gemm1=in_gemm1: in_gemm1
             moe.fused_moe(torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, k, dtype=torch.bfloat16),
                           torch.arange(k, dtype=torch.int32).reshape(1, k), _weights(E, H, I, torch.bfloat16, True),
                           GPT_OSS, aq)
@@ -138,7 +141,7 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
     finally:
         (launch.Launcher._launch, mx.ptx_unpack, moe_sm90.runs_on, mx.native_scaled_mma,
-         moe.PER_PAIR_REPEAT_BYTES, moe.num_sms, moe._sync_buffer) = saved
+         moe.PER_PAIR_REPEAT_BYTES, moe.num_sms, moe._sync_buffer, moe._gemm1_quantizes_x) = saved
     return list(launches.values())
 
 
@@ -202,14 +205,16 @@ def _opcodes(sass: list) -> list:
 
 def grid_control(cubin: bytes) -> dict:
     """Where a CUDA kernel's PDL instructions sit in its SASS: whether it lets the grid launched
-    after it start (``griddepcontrol.launch_dependents``: PREEXIT), and for each wait for the
-    grid launched before it (``griddepcontrol.wait``: ACQBULK) how many global loads come
-    between it and the wait before it (or the start), in instruction order."""
+    after it start (``griddepcontrol.launch_dependents``: PREEXIT) and how many global loads
+    come before that, and for each wait for the grid launched before it
+    (``griddepcontrol.wait``: ACQBULK) how many global loads come between it and the wait
+    before it (or the start), in instruction order."""
     ops = _opcodes(_sass(cubin))
     waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    loads = [op.startswith("LDG") for op in ops]
     return {"launches_dependents": "PREEXIT" in ops,
-            "loads_before_waits": [sum(1 for op in ops[start + 1:end] if op.startswith("LDG"))
-                                   for start, end in zip([-1] + waits, waits)]}
+            "loads_before_trigger": sum(loads[:ops.index("PREEXIT")]) if "PREEXIT" in ops else None,
+            "loads_before_waits": [sum(loads[start + 1:end]) for start, end in zip([-1] + waits, waits)]}
 
 
 def loop_sass(cubin: bytes, top: int = 8) -> dict:

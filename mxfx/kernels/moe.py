@@ -140,6 +140,7 @@ def _gemm(
     pdl_chain: bool = False,
     paired: bool = False,
     after_pdl: bool = False,
+    x_qdq: bool = False,
 ) -> None:
     """One grouped GEMM launch. ``a_mx``: ``a`` holds MX elements (:func:`mx.quantize`) in
     this format, with these scales, for ``tl.dot_scaled`` (MXFP4 weights only). The
@@ -152,7 +153,8 @@ def _gemm(
     ``a`` is in the paired order (:func:`moe_sm90.paired`), and GEMM1 stores the intermediate so.
     ``after_pdl``: ``a`` is written by the launch just before, which lets the next one start at
     once (``dependents`` of :func:`mx.quantize_dequantize`): per-pair GEMM1 is then launched by
-    PDL, and issues its first weight loads before it waits for that launch."""
+    PDL, and issues its first weight loads before it waits for that launch. ``x_qdq`` (per-pair
+    GEMM1): ``a`` is x as given, which GEMM1 quantize-dequantizes under ``aq`` as it reads it."""
     quantized = w_scale is not None
     s = w_scale if quantized else w  # unused pointer when float
     b = bias if bias is not None else w
@@ -193,7 +195,7 @@ def _gemm(
         # no overflow checks).
         per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0, HALVES=False,
                         X_ORDER=(moe_sm90.ORDER_PAIRED if paired else moe_sm90.ORDER_NATURAL).value,
-                        PAIRED_OUT=paired and gated)
+                        PAIRED_OUT=paired and gated, X_QDQ=x_qdq)
         if routing.per_pair_experts:
             per_pair.update(debug=True, sanitize_overflow=False, XROW=cfg.x_row_stages)
             if split_k > 1 and cfg.x_row_stages == 4:
@@ -264,6 +266,21 @@ def _halves(programs: int, k_in: int, device: torch.device) -> bool:
     24.9-25.0; MiniMax-M3 T=1 (384) 46.1-46.6 / 44.2-44.3; Qwen3-30B-A3B T=1 (192) 15.9-16.3 /
     14.9; Mixtral-8x7B T=1 (896) 68.2-69.3 / 69.8."""
     return k_in > moe_sm90.BLOCK_K and programs <= 6 * num_sms(device)
+
+
+def _gemm1_quantizes_x(programs: int, hidden: int, device: torch.device) -> bool:
+    """Whether a per-pair GEMM1 of ``programs`` programs (in a CUDA graph: two launches) quantize-
+    dequantizes x's row as it reads it, under activation quantization, instead of waiting for a
+    quantize pass (launched before it, GEMM1 by PDL: it issues its first weight loads while the
+    pass runs). Every program quantizes the whole row again (in two warpgroups, each its half),
+    before its first MMA: taken while that is at most ``6144`` values per SM. H200, graph µs,
+    min-max of 2 alternating processes, pass / in GEMM1 (in two warpgroups), W4A8, W4A4 (same
+    outputs to the bit): Qwen3-30B-A3B (H = 2048) T=1 (192 programs) 14.6-14.8 / 14.3, 14.6 /
+    14.5-14.6, T=2 (384) 21.4-21.7 / 20.5-20.7, 20.9-21.1 / 20.1-20.4; gpt-oss-120b (2880) T=1
+    (360) 25.9-26.2 / 25.7-26.3, 26.2-27.0 / 26.9-27.3, T=2 (720) 46.9-47.0 / 47.9-48.1, 46.3-46.9
+    / 49.0-49.8; gpt-oss-20b T=1 (360) 26.6-26.7 / 26.6, 26.2-26.9 / 27.0-27.2; MiniMax-M3
+    (6144) T=1 (384) 46.0-46.1 / 46.1-46.8, 45.6-46.2 / 47.7-47.8."""
+    return programs * hidden <= 6144 * num_sms(device)
 
 
 def _pdl_gemm2(programs: int, steps: int, device: torch.device) -> bool:
@@ -509,25 +526,26 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # tools/moe_kernel_timing.py's, take the two.)
     if row_in_smem and sync is not None and 1 + T * k + T * cdiv(H, moe_sm90.BLOCK_N2) <= sync.numel():
         return _per_pair_in_one(x, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync)
-    # In two launches (a CUDA graph) per-pair GEMM1 is launched by PDL after x's quantize pass,
-    # so it issues its first weight loads while the pass runs; there the pass beats quantizing in
-    # GEMM1, which each of its programs does again (H200, graph µs, pass / in GEMM1, W4A4:
-    # MiniMax-M3 T=1 45.7-45.8 / 47.5-48.0, gpt-oss-120b T=2 46.8-47.4 / 48.5-48.6, T=4
-    # 79.2-79.4 / 80.9-81.5). GEMM1 launched by PDL against after the pass (same outputs to the
-    # bit), W4A8 before / after, W4A4 before / after: Qwen3-30B-A3B T=1
-    # 17.0-17.2 / 16.2-16.4, 17.2-17.5 / 16.2-16.4; gpt-oss-20b T=1 26.7-27.1 / 26.1-26.4,
-    # 27.5-27.6 / 26.2-26.3; Mixtral-8x7B T=1 69.3-70.3 / 69.5-69.7, 71.1 / 69.0; gpt-oss-120b
-    # T=1 26.4-26.6 / 25.7-26.7, 26.3-26.5 / 25.8-26.4, T=4 79.1-80.5 / 78.3-78.8, 79.2 / 78.0-78.5.
-    after_pdl = aq.fmt != "none" and row_in_smem
+    # In two launches (a CUDA graph) per-pair GEMM1 quantizes x's row itself only where that is
+    # little work per SM (_gemm1_quantizes_x); otherwise it is launched by PDL after x's quantize
+    # pass, so it issues its first weight loads while the pass runs. GEMM1 launched by PDL against
+    # after the pass (same outputs to the bit), W4A8 before / after, W4A4 before / after:
+    # Qwen3-30B-A3B T=1 17.0-17.2 / 16.2-16.4, 17.2-17.5 / 16.2-16.4; gpt-oss-20b T=1 26.7-27.1 /
+    # 26.1-26.4, 27.5-27.6 / 26.2-26.3; Mixtral-8x7B T=1 69.3-70.3 / 69.5-69.7, 71.1 / 69.0;
+    # gpt-oss-120b T=1 26.4-26.6 / 25.7-26.7, 26.3-26.5 / 25.8-26.4, T=4 79.1-80.5 / 78.3-78.8,
+    # 79.2 / 78.0-78.5.
+    x_qdq = aq.fmt != "none" and row_in_smem and _gemm1_quantizes_x(
+        T * k * cdiv(inter_size, sm90_tile.tile_cols(True)), H, x.device)
+    after_pdl = aq.fmt != "none" and row_in_smem and not x_qdq
     if chain:
         x_in = moe_sm90.paired(x, aq, pdl=True)
     else:
-        x_in = x if aq.fmt == "none" else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding,
-                                                                dependents=after_pdl)
+        x_in = x if aq.fmt == "none" or x_qdq else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding,
+                                                                          dependents=after_pdl)
     counters = _k_sum_counters(routing, T, H, x.device)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
           H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain, paired=chain,
-          after_pdl=after_pdl)
+          after_pdl=after_pdl, x_qdq=x_qdq)
     return _gemm2_and_sum(inter, x, topk_weights, topk_ids, weights, routing, cfg, counters=counters,
                           pdl_chain=chain, paired=chain)
 

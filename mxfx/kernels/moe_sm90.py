@@ -492,16 +492,18 @@ def _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e
 def _half(hargs, k_lo, k_end, GATED: gl.constexpr, GATE_STRIDE: gl.constexpr, NFULL: gl.constexpr,
           NS: gl.constexpr, A_ROW_DIV: gl.constexpr, WAIT: gl.constexpr, XROW: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_K: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, A_L: gl.constexpr,
-          B_L: gl.constexpr, MMA: gl.constexpr, STORE: gl.constexpr):
+          B_L: gl.constexpr, MMA: gl.constexpr, STORE: gl.constexpr, XQ: gl.constexpr, XQ_ROUNDING: gl.constexpr):
     """One warpgroup's part of a ``HALVES`` program (``hargs``: the tile's runtime values and
     ``part``, a ``[64, BLOCK_M]`` float32 buffer in shared memory): the per-pair K loop over
-    ``[k_lo, k_end)`` (``NFULL`` unmasked steps of ``NS``; :func:`_k_loops_checked`). Returns
-    ``(acc,)``; ``STORE`` (the second warpgroup) leaves it in ``part``."""
+    ``[k_lo, k_end)`` (``NFULL`` unmasked steps of ``NS``; :func:`_k_loops_checked`; ``XQ`` as
+    :func:`_x_row_to_smem`'s, on its half of the row). Returns ``(acc,)``; ``STORE`` (the
+    second warpgroup) leaves it in ``part``."""
     (w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr, stride_am,
      sorted_ptr, blk, nrows, ready_ptr, part) = hargs
     acc = _k_loops_checked(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64, n0, N, up_offset, a_ptr,
                            stride_am, sorted_ptr, blk, nrows, ready_ptr, k_lo, k_end, GATED, GATE_STRIDE, NFULL, NS,
-                           A_ROW_DIV, True, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA, True)
+                           A_ROW_DIV, True, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA, True,
+                           ORDER_NATURAL, XQ, XQ_ROUNDING)
     if STORE:
         part.store(acc)
     return (acc,)
@@ -552,15 +554,14 @@ def _program(
     many steps ahead; 0: :func:`_k_loop`'s. ``HALVES``: that loop in two warpgroups, half the K
     steps each (:func:`_half`; launched with ``HALF_REGS``). ``X_ORDER``: the activations' order
     along K (``ORDER_*``, as :func:`_k_loop`); ``PAIRED_OUT``: the output stored in the paired order
-    (:func:`paired`), for a GEMM2 that reads it so. ``X_QDQ`` (``XROW``, not ``HALVES``): the
-    activation row quantize-dequantized as ``AQ``, ``AQ_ROUNDING`` say as it is read
-    (:func:`_x_row_to_smem`), not before the launch."""
+    (:func:`paired`), for a GEMM2 that reads it so. ``X_QDQ`` (``XROW``): the activation row
+    quantize-dequantized as ``AQ``, ``AQ_ROUNDING`` say as it is read (:func:`_x_row_to_smem`;
+    under ``HALVES`` each warpgroup its half), not before the launch."""
     gl.static_assert(K % 32 == 0)
     gl.static_assert(BLOCK_K % 128 == 0, "each lane owns whole 32-K segments")
     gl.static_assert(XROW == 0 or (SYNC_MMA and PER_PAIR_E != 0), "activation row in shared memory: per-pair mma.sync")
     gl.static_assert(WAIT <= 0 or XROW != 0, "a program waiting on a counter reads its row into shared memory")
-    gl.static_assert(not X_QDQ or (XROW != 0 and AQ != 0 and not HALVES), "the row quantized as read: in shared "
-                     "memory, by one warpgroup, AQ given")
+    gl.static_assert(not X_QDQ or (XROW != 0 and AQ != 0), "the row quantized as read: in shared memory, AQ given")
     XQ: gl.constexpr = AQ if X_QDQ else 0
     BLOCK_N: gl.constexpr = tile.tile_cols(GATED)
     NI: gl.constexpr = BLOCK_K // 128
@@ -619,9 +620,9 @@ def _program(
                  sorted_ptr, blk, nrows, ready_ptr, part)
         res = gl.warp_specialize([
             (_half, (hargs, 0, KH, GATED, GATE_STRIDE, KH // BLOCK_K, KH // BLOCK_K, A_ROW_DIV, WAIT, XROW, BLOCK_M,
-                     BLOCK_K, NI, WL, XL, A_L, B_L, MMA, False)),
+                     BLOCK_K, NI, WL, XL, A_L, B_L, MMA, False, XQ, AQ_ROUNDING)),
             (_half, (hargs, KH, K, GATED, GATE_STRIDE, (K - KH) // BLOCK_K, (K - KH + BLOCK_K - 1) // BLOCK_K,
-                     A_ROW_DIV, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA, True)),
+                     A_ROW_DIV, WAIT, XROW, BLOCK_M, BLOCK_K, NI, WL, XL, A_L, B_L, MMA, True, XQ, AQ_ROUNDING)),
         ], [4], [HALF_REGS])
         acc = res[0] + part.load(MMA)
     else:
@@ -670,11 +671,12 @@ def _moe_gemm_sm90(
     HALVES: gl.constexpr = False,
     X_ORDER: gl.constexpr = 0,
     PAIRED_OUT: gl.constexpr = False,
+    X_QDQ: gl.constexpr = False,
 ):
     """One grouped GEMM launch (``moe._gemm``). ``PDL``: its part in programmatic dependent
     launch, bits ``PDL_TRIGGER`` (the next launch may start at once), ``PDL_WAIT_FIRST`` (GEMM1
     after the routing kernels) or ``PDL_WAIT_LOADS`` (GEMM2, whose first weight loads are issued
-    while GEMM1 runs). ``HALVES``, ``X_ORDER``, ``PAIRED_OUT``: see :func:`_program`."""
+    while GEMM1 runs). ``HALVES``, ``X_ORDER``, ``PAIRED_OUT``, ``X_QDQ``: see :func:`_program`."""
     # Unit strides along K (x, weights, scales) and along N (out) are checked by the caller.
     gl.static_assert((PDL & PDL_WAIT_FIRST == 0) or (PDL & PDL_WAIT_LOADS == 0), "PDL: one wait")
     if PDL & PDL_WAIT_FIRST:
@@ -686,7 +688,7 @@ def _moe_gemm_sm90(
              out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, cnt_ptr, num_cnt, sum_ptr, stride_sum,
              cnt_ptr, K, A_ROW_DIV, GATED, GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, BLOCK_M, BLOCK_K,
              SPLIT_K, SYNC_MMA, PER_PAIR_E, COUNTERS, TOPK, AQ, AQ_ROUNDING,
-             _PREVIOUS_GRID if PDL & PDL_WAIT_LOADS else 0, XROW, HALVES, X_ORDER, PAIRED_OUT)
+             _PREVIOUS_GRID if PDL & PDL_WAIT_LOADS else 0, XROW, HALVES, X_ORDER, PAIRED_OUT, X_QDQ)
 
 
 @gluon.jit

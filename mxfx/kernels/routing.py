@@ -135,12 +135,13 @@ def _place_kernel(
     """Program c places chunk c's pairs and describes its share of the blocks. Every
     program derives the same expert offsets from all chunks' counts (with ``ONE_CHUNK``
     it counts its own pairs, and ``_count_kernel`` is not launched). ``PDL``: launched by PDL
-    after ``_count_kernel`` (unless ``ONE_CHUNK``), and the GEMM launched after it by PDL may
-    start at once."""
+    after ``_count_kernel`` (unless ``ONE_CHUNK``), and the launch after it by PDL may start
+    once this one has read the counts."""
     if PDL:
-        if not ONE_CHUNK:
+        if ONE_CHUNK:
+            gdc_launch_dependents()
+        else:
             gdc_wait()
-        gdc_launch_dependents()
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     if ONE_CHUNK:
@@ -155,6 +156,12 @@ def _place_kernel(
                              mask=(chunks < num_chunks)[:, None], other=0)
         counts = tl.sum(all_counts, axis=0)
         base = tl.sum(tl.where((chunks < c)[:, None], all_counts, 0), axis=0)
+        if PDL:
+            # Only once the counts are in registers (the instruction takes their sum): the launch
+            # after this one may write before it waits (x's paired copy, sm90_tile.ordered_copy),
+            # into bytes that held the counts, a temporary freed once read.
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1", "=r,r", [tl.sum(counts)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -223,9 +230,10 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: Optiona
     T=4096 10.9 -> 9.0 with 128).
 
     ``pdl`` (CUDA, sm_90 and later): the kernels are the head of a chain of launches by PDL
-    (programmatic dependent launch): each lets the next launch start at once, and the placement
-    kernel, launched by PDL after the count, waits for it. The GEMM launched next by PDL must
-    wait for the placement (``griddepcontrol.wait``) before it reads the routing.
+    (programmatic dependent launch): each lets the next launch start at once (the placement
+    kernel, once it has read the counts), and the placement kernel, launched by PDL after the
+    count, waits for it. The GEMM launched next by PDL must wait for the placement
+    (``griddepcontrol.wait``) before it reads the routing.
     """
     num_pairs = topk_ids.numel()
     nb = max_blocks(num_pairs, num_experts, block_m)

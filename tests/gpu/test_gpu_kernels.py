@@ -508,16 +508,18 @@ def test_per_pair_blocks_sum_the_slots_in_gemm2(monkeypatch, fn, T, case):
     assert torch.equal(replayed, again) and torch.equal(again, grouped)
 
 
+@pytest.mark.parametrize("halves,in_gemm1", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_per_pair_x_quantized_in_gemm1_or_by_a_pass_before_it(monkeypatch, fmt):
+def test_per_pair_x_quantized_in_gemm1_or_by_a_pass_before_it(monkeypatch, fmt, halves, in_gemm1):
     """Under activation quantization, one token on per-pair blocks (the row in shared memory):
     eager, the one launch's GEMM1 programs quantize-dequantize x's row as they read it (no
-    quantize pass); in two launches, as in a CUDA graph, GEMM1 is launched by PDL after x's
-    quantize pass, which lets it start at once: it issues its first weight loads, then waits for
-    the pass before it reads x. Both equal, to the bit, the grouped blocks' output (x quantize-
-    dequantized by its paired copy), and emulation's up to rounding. Replayed in a graph on new
-    x, each replay equals the call on that x to the bit (a read of x before the wait would see
-    the previous one)."""
+    quantize pass). In two launches, as in a CUDA graph, GEMM1 (in two warpgroups, ``halves``,
+    or one) either does the same (``in_gemm1``, moe._gemm1_quantizes_x; in two warpgroups each
+    its half of the row), or is launched by PDL after x's quantize pass, which lets it start at
+    once: it issues its first weight loads, then waits for the pass before it reads x. All equal,
+    to the bit, the grouped blocks' output (x quantize-dequantized by its paired copy), and
+    emulation's up to rounding. Replayed in a graph on new x, each replay equals the call on that x to the bit (a
+    read of x before the pass's end would see the previous one)."""
     from mxfx.kernels import moe_sm90, mx, routing
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -525,6 +527,9 @@ def test_per_pair_x_quantized_in_gemm1_or_by_a_pass_before_it(monkeypatch, fmt):
     E, H, I, k = 8, 2880, 2880, 4
     aq = ActivationQuant(fmt, "even")
     monkeypatch.setattr(moe._FUSED, "_plans", {})
+    if not halves:
+        monkeypatch.setattr(moe, "_halves", lambda programs, k_in, device: False)
+    monkeypatch.setattr(moe, "_gemm1_quantizes_x", lambda programs, hidden, device: in_gemm1)
     W = _weights(E, H, I, torch.bfloat16)
     x, tw, ids = _inputs(1, H, E, k, torch.bfloat16, seed=0)
     gemms, in_one, passes = _spy(monkeypatch, moe_sm90.GEMM_SM90), _spy(monkeypatch, moe_sm90.PER_PAIR_SM90), \
@@ -534,10 +539,11 @@ def test_per_pair_x_quantized_in_gemm1_or_by_a_pass_before_it(monkeypatch, fmt):
     monkeypatch.setattr(moe, "_sync_buffer", lambda x: None)
     monkeypatch.setattr(moe._FUSED, "_plans", {})
     out = moe.fused_moe(x, tw, ids, W, GPT_OSS, aq)
-    assert [m["PDL"] for m in passes] == [True]
-    assert [(m["AQ"] != 0, m["HALVES"], m["PDL"], m["launch_pdl"]) for m in gemms] == [
-        (True, True, moe_sm90.PDL_TRIGGER.value | moe_sm90.PDL_WAIT_LOADS.value, True),
-        (False, False, moe_sm90.PDL_WAIT_LOADS.value, True)]
+    trigger, wait = moe_sm90.PDL_TRIGGER.value, moe_sm90.PDL_WAIT_LOADS.value
+    gemm1 = (True, halves, in_gemm1, trigger if in_gemm1 else trigger | wait, not in_gemm1)
+    assert [m["PDL"] for m in passes] == ([] if in_gemm1 else [True])
+    assert [(m["AQ"] != 0, m["HALVES"], m["X_QDQ"], m["PDL"], m["launch_pdl"]) for m in gemms] == [
+        gemm1, (False, False, False, wait, True)]
     assert torch.equal(out, eager)
     assert _rel_err(out, emulation.moe(x, tw, ids, W, GPT_OSS, aq)) <= 1e-2
     with monkeypatch.context() as m:
