@@ -286,6 +286,37 @@ def test_per_pair_gemm1_runs_in_halves_while_its_grid_is_small(monkeypatch, prog
     assert moe._halves(programs, k_in, torch.device("cpu")) == halves
 
 
+@pytest.mark.parametrize("programs,hidden,in_gemm1", [
+    (192, 2048, True), (384, 2048, True), (576, 2048, False),  # Qwen3-30B-A3B T=1, 2, 3
+    (360, 2880, False), (384, 6144, False), (281, 2880, True), (282, 2880, False)])  # gpt-oss T=1, MiniMax-M3 T=1
+def test_per_pair_gemm1_quantizes_x_itself_while_that_is_little_work_per_sm(monkeypatch, programs, hidden, in_gemm1):
+    """Under activation quantization in two launches, per-pair GEMM1 quantizes x's row itself
+    (every program the whole row) while its programs quantize at most 6144 values per SM of 132,
+    else GEMM1 waits for x's quantize pass."""
+    monkeypatch.setattr(moe, "num_sms", lambda device: 132)
+    assert moe._gemm1_quantizes_x(programs, hidden, torch.device("cpu")) == in_gemm1
+
+
+@pytest.mark.parametrize("in_gemm1", [True, False])
+def test_per_pair_gemm1_reads_x_itself_or_the_quantize_pass_output(logged, monkeypatch, in_gemm1):
+    """One token on Hopper (patched in) under W4A8, in two launches (no persistent counters, as
+    while a CUDA graph is captured): where GEMM1 quantizes x itself it reads x and no quantize
+    pass runs; else the pass runs first and GEMM1 reads what it wrote."""
+    from mxfx.kernels import moe_sm90
+
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    monkeypatch.setattr(moe, "_gemm1_quantizes_x", lambda programs, hidden, device: in_gemm1)
+    inputs = _inputs(1, 0)
+    moe._fused_moe(*inputs, GPT_OSS, ActivationQuant("mxfp8"))
+    names = [name for name, _, _ in logged]
+    x = inputs[0].data_ptr()
+    if in_gemm1:
+        assert names == ["_moe_gemm_sm90", "_moe_gemm_sm90"] and x in logged[0][2]
+    else:
+        assert names == ["_qdq_kernel", "_moe_gemm_sm90", "_moe_gemm_sm90"]
+        assert logged[0][2][0] == x and x not in logged[1][2] and logged[0][2][1] in logged[1][2]
+
+
 @pytest.mark.parametrize("pairs,H,I,stages", [(4, 2880, 2880, 4), (8, 2880, 2880, 3), (16, 2048, 768, 4),
                                                 (12, 2048, 2880, 3), (2, 4096, 14336, 3), (16, 128, 32, 4),
                                                 (32, 7168, 2048, 3), (32, 7168, 256, 4)])

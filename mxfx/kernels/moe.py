@@ -406,10 +406,11 @@ def fused_moe(
     Temporaries: the intermediate ``[T*k, I]`` in x.dtype, ``[S, T*k, H]`` float32 (S =
     ``split_k2`` of :func:`pick_config`), on per-pair blocks ``T * H/64`` int32 counters (in
     eager calls, where both GEMMs are one launch, persistent ones: :func:`_sync_buffer`), and
-    under activation quantization the quantize-dequantized ``x`` (not in that one launch, whose
-    GEMM1 quantizes x's rows as it reads them), on grouped mma.sync blocks ``x`` in the paired
-    order (quantize-dequantized on the way, if so); in the warp-specialized kernel ``x`` dot-ordered and both it
-    and the intermediate padded to a multiple of 128 columns (under activation quantization
+    under activation quantization the quantize-dequantized ``x`` (not where per-pair GEMM1
+    quantizes x's rows as it reads them: in that one launch, and see :func:`_gemm1_quantizes_x`),
+    on grouped mma.sync blocks ``x`` in the paired order (quantize-dequantized on the way, if so);
+    in the warp-specialized kernel ``x`` dot-ordered and both it and the intermediate padded to
+    a multiple of 128 columns (under activation quantization
     the intermediate twice: as GEMM1 stores it, and dot-ordered), and in its blocks of up to 64
     rows 3 int32 words per tile of each GEMM (whether it met a scale over 128). Replayed from a
     launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
