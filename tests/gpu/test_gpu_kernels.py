@@ -518,8 +518,8 @@ def test_per_pair_x_quantized_in_gemm1_or_by_a_pass_before_it(monkeypatch, fmt, 
     its half of the row), or is launched by PDL after x's quantize pass, which lets it start at
     once: it issues its first weight loads, then waits for the pass before it reads x. All equal,
     to the bit, the grouped blocks' output (x quantize-dequantized by its paired copy), and
-    emulation's up to rounding. Replayed in a graph on new x, each replay equals the call on that x to the bit (a
-    read of x before the pass's end would see the previous one)."""
+    emulation's up to rounding. Replayed in a graph on new x, each replay equals the call on that
+    x to the bit (a read of x before the pass's end would see the previous one)."""
     from mxfx.kernels import moe_sm90, mx, routing
 
     if not moe_sm90.runs_on(torch.device("cuda")):
