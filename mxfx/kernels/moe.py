@@ -535,14 +535,15 @@ def _fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale
     # 26.1-26.4, 27.5-27.6 / 26.2-26.3; Mixtral-8x7B T=1 69.3-70.3 / 69.5-69.7, 71.1 / 69.0;
     # gpt-oss-120b T=1 26.4-26.6 / 25.7-26.7, 26.3-26.5 / 25.8-26.4, T=4 79.1-80.5 / 78.3-78.8,
     # 79.2 / 78.0-78.5.
-    x_qdq = aq.fmt != "none" and row_in_smem and _gemm1_quantizes_x(
-        T * k * cdiv(inter_size, sm90_tile.tile_cols(True)), H, x.device)
-    after_pdl = aq.fmt != "none" and row_in_smem and not x_qdq
+    row_quantized = aq.fmt != "none" and row_in_smem
+    x_qdq = row_quantized and _gemm1_quantizes_x(T * k * cdiv(inter_size, sm90_tile.tile_cols(True)), H, x.device)
+    after_pdl = row_quantized and not x_qdq
     if chain:
         x_in = moe_sm90.paired(x, aq, pdl=True)
+    elif aq.fmt == "none" or x_qdq:
+        x_in = x
     else:
-        x_in = x if aq.fmt == "none" or x_qdq else mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding,
-                                                                          dependents=after_pdl)
+        x_in = mx.quantize_dequantize(x, aq.fmt, aq.scale_rounding, dependents=after_pdl)
     counters = _k_sum_counters(routing, T, H, x.device)
     _gemm(x_in, k, weights.w13, weights.w13_scale, weights.w13_bias, routing, inter, 0, inter_size,
           H, cfg, block_n=cfg.block_n1, act=act, aq=aq, counters=counters, pdl_chain=chain, paired=chain,
