@@ -7,6 +7,7 @@ with the same message as in eager mode.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Optional, Sequence
 
@@ -16,7 +17,7 @@ from torch import Tensor
 from mxfx import backends, formats
 from mxfx.activation import GatedActivation, check_activation, join_gate_up, split_gate_up
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, Backend, MoEWeights, expert_id_error
+from mxfx.backends.base import ActivationQuant, Backend, MoEWeights, expert_id_error, signature
 from mxfx.oracle import MoEConfig, Platform, select
 from mxfx.oracle import settings as oracle_settings
 
@@ -142,6 +143,11 @@ def check_moe(
     if not isinstance(backend, str):
         raise TypeError(f"backend: got {backend!r}, expected a backend name or 'auto'")
     backends.check_name(backend)
+    dense = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w13_scale": w13_scale,
+             "w13_bias": w13_bias, "w2": w2, "w2_scale": w2_scale, "w2_bias": w2_bias}
+    for name, t in dense.items():
+        if t is not None and t.layout != torch.strided:
+            raise ValueError(f"{name}: got layout {t.layout}, expected torch.strided (a dense tensor)")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x: got dtype {x.dtype}, expected one of {list(_FLOAT_DTYPES)}")
     if x.dim() != 2:
@@ -179,21 +185,23 @@ def check_moe(
         )
     # k > E is allowed: under expert parallelism a device holds fewer experts than k and
     # marks the slots routed elsewhere with id -1.
-    tensors = {
-        "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w13_scale": w13_scale,
-        "w13_bias": w13_bias, "w2": w2, "w2_scale": w2_scale, "w2_bias": w2_bias,
-    }
-    for name, t in tensors.items():
+    for name, t in dense.items():
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device}, expected x's device {x.device}")
 
 
+# Read once: an eager call's host time is the budget, and a read of the environment costs
+# about 1 µs of it.
+_DEBUG = os.environ.get("MXFX_DEBUG") == "1"
+
+
 def check_expert_ids(topk_ids: Tensor, num_experts: int) -> None:
-    """Ids >= E are an error. On CPU (or with ``MXFX_DEBUG=1``) this raises here. On an
-    accelerator the backend checks them without adding a host synchronisation: the Triton
-    backends with a device-side assert in their routing kernel (or, where each pair is its
-    own block, in the first GEMM), the emulation (which synchronises anyway) by raising."""
-    if topk_ids.numel() and (topk_ids.device.type == "cpu" or os.environ.get("MXFX_DEBUG") == "1"):
+    """Ids >= E are an error. On CPU (or with ``MXFX_DEBUG=1`` set when mxfx is imported) this
+    raises here. On an accelerator the backend checks them without adding a host
+    synchronisation: the Triton backends with a device-side assert in their routing kernel (or,
+    where each pair is its own block, in the first GEMM), the emulation (which synchronises
+    anyway) by raising."""
+    if (topk_ids.is_cpu or _DEBUG) and topk_ids.numel():
         top = int(topk_ids.max())
         if top >= num_experts:
             raise ValueError(expert_id_error(top, num_experts))
@@ -312,25 +320,39 @@ _MOE_SCHEMA = (
 _LIB = torch.library.Library("mxfx", "FRAGMENT")
 _LIB.define(_MOE_SCHEMA)
 
-_CHECKED: dict[tuple, tuple[Backend, GatedActivation, ActivationQuant]] = {}
+
+class _Resolved:
+    """A call's checked arguments: the oracle's backend, with the activation and the activation
+    quantization it executes. One object per cached call signature, so that a backend whose
+    ``run`` takes a ``key`` (see :meth:`Backend.run`) can be given this object (``keyed``) and
+    cache on its identity."""
+
+    __slots__ = ("backend", "act", "aq", "keyed")
+
+    def __init__(self, backend: Backend, act: GatedActivation, aq: ActivationQuant, cached: bool) -> None:
+        self.backend, self.act, self.aq = backend, act, aq
+        self.keyed = cached and "key" in inspect.signature(backend.run).parameters
+
+
+_CHECKED: dict[tuple, _Resolved] = {}
 
 
 def _resolve_moe(
     tensors: tuple, layout: str, alpha: float, beta: float, limit: Optional[float],
     activation_quant: str, backend: str, activation_scale_rounding: str,
-) -> tuple[Backend, GatedActivation, ActivationQuant]:
+) -> _Resolved:
     """The arguments checked (:func:`check_moe`), and the oracle's backend with the activation
     and the activation quantization it executes.
 
-    Cached per signature (each tensor's dtype, shape and device, the scalars, the oracle's
-    settings): a repeated call costs the key and one dict lookup.
+    Cached per signature (the tensors' :func:`~mxfx.backends.base.signature`, the scalars, the
+    oracle's settings): a repeated call costs the key and one dict lookup.
     """
-    key = (
-        *[None if t is None else (t.dtype, t.shape, t.device) for t in tensors],
-        layout, alpha, beta, limit, activation_quant, backend, activation_scale_rounding,
-        oracle_settings.token(),
-    )
-    hit = _CHECKED.get(key)
+    try:
+        key = (signature(tensors), layout, alpha, beta, limit, activation_quant, backend,
+               activation_scale_rounding, oracle_settings.token())
+    except RuntimeError:  # a tensor without strides or storage: checked on every call, never cached
+        key = None
+    hit = None if key is None else _CHECKED.get(key)
     if hit is not None:
         return hit
     check_moe(*tensors, layout, alpha, beta, limit, activation_quant, backend, activation_scale_rounding)
@@ -353,7 +375,9 @@ def _resolve_moe(
     decision = select(config, Platform.current(x.device), backend)
     act = GatedActivation(layout, alpha, beta, limit)
     aq = ActivationQuant(decision.activation_quant.value, activation_scale_rounding)
-    hit = _CHECKED[key] = (backends.get(decision.backend), act, aq)
+    hit = _Resolved(backends.get(decision.backend), act, aq, key is not None)
+    if key is not None:
+        _CHECKED[key] = hit
     return hit
 
 
@@ -395,12 +419,14 @@ def moe(
         backend: ``"auto"`` (the oracle chooses) or a backend name (honoured or an error).
     """
     tensors = (x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
-    impl, act, aq = _resolve_moe(
+    call = _resolve_moe(
         tensors, layout, alpha, beta, limit, activation_quant, backend, activation_scale_rounding
     )
     check_expert_ids(topk_ids, w13.shape[0])
     weights = MoEWeights(w13, w13_scale, w13_bias, w2, w2_scale, w2_bias)
-    return impl.run(x, topk_weights, topk_ids, weights, act, aq)
+    if call.keyed:
+        return call.backend.run(x, topk_weights, topk_ids, weights, call.act, call.aq, key=call)
+    return call.backend.run(x, topk_weights, topk_ids, weights, call.act, call.aq)
 
 
 _LIB.impl("moe", moe, "CompositeExplicitAutograd")
@@ -432,14 +458,23 @@ _PLAIN = frozenset(
 )
 
 
+# Per keyset a call came with (its raw_repr): whether its keys below Autograd are _PLAIN.
+_PLAIN_BELOW: dict[int, bool] = {}
+
+
 def _moe_autograd(keyset, *args) -> Tensor:
-    grad = torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
-    rest = keyset & _AFTER_AUTOGRAD
-    if not grad and rest.raw_repr() in _PLAIN:
+    # Only the float tensors can require grad (x, topk_weights, w13, w13_bias, w2, w2_bias): the
+    # ids and scales are integers, or rejected.
+    grad = torch.is_grad_enabled() and torch._C._any_requires_grad(
+        args[0], args[1], args[3], args[5], args[6], args[8])
+    plain = _PLAIN_BELOW.get(keyset.raw_repr())
+    if plain is None:
+        plain = _PLAIN_BELOW[keyset.raw_repr()] = (keyset & _AFTER_AUTOGRAD).raw_repr() in _PLAIN
+    if not grad and plain:
         # What the redispatch would run, without converting the arguments to the dispatcher's
         # and back a second time (an eager call's host time 29 -> 25 µs on 2 CPU cores).
         return moe(*args)
-    out = _MOE_OP.redispatch(rest, *args)
+    out = _MOE_OP.redispatch(keyset & _AFTER_AUTOGRAD, *args)
     if grad:
         return _NoBackward.apply(out, *[a for a in args if isinstance(a, Tensor) and a.requires_grad])
     return out

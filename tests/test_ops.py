@@ -199,11 +199,13 @@ def test_gradcheck_gated_activation(layout, limit):
     assert torch.autograd.gradcheck(lambda t: ops.gated_activation(t, layout, 1.702, 1.0, limit), (xt,))
 
 
-def test_moe_forward_with_grad_inputs_but_backward_raises():
-    """An inference op: with inputs that require grad the forward runs (as in a model not
-    under no_grad), and asking for its backward is an error, never a silent zero gradient."""
+@pytest.mark.parametrize("name", ["x", "topk_weights", "w13", "w13_bias", "w2", "w2_bias"])
+def test_moe_forward_with_grad_inputs_but_backward_raises(name):
+    """An inference op: with inputs that require grad (any of the float ones) the forward runs
+    (as in a model not under no_grad), and asking for its backward is an error, never a silent
+    zero gradient."""
     args = _moe_args(bias=True)
-    args["w13"].requires_grad_(True)
+    args[name].requires_grad_(True)
     pos, kw = _split(args)
     out = ops.moe(*pos, **kw, backend="emulation")
     assert out.requires_grad
@@ -211,7 +213,7 @@ def test_moe_forward_with_grad_inputs_but_backward_raises():
         out.sum().backward()
     with torch.no_grad():
         assert not ops.moe(*pos, **kw, backend="emulation").requires_grad
-    args["w13"].requires_grad_(False)
+    args[name].requires_grad_(False)
     assert not ops.moe(*_split(args)[0], backend="emulation").requires_grad
 
 
@@ -427,6 +429,18 @@ def test_moe_rejects_expert_id_out_of_range(bad_id):
 
     # Values are unknown while tracing: the compiled graph raises when it runs the op.
     _eager_and_compiled(fn, tensors, ValueError, "topk_ids", fake_detects=False)
+
+
+@pytest.mark.parametrize("name", ["x", "topk_weights", "topk_ids", "w13", "w13_scale", "w2_bias"])
+def test_moe_rejects_sparse_tensors(name):
+    # Eager only: the compiled path does not take sparse inputs. A sparse w13 used to run.
+    args = _moe_args(T=3, mxfp4=name == "w13_scale", bias=True)
+    args[name] = args[name].to_sparse()
+    pos, kw = _split(args)
+    for fn in (ops.moe, mxfx.ops.moe):
+        with pytest.raises(ValueError) as info:
+            fn(*pos, **kw)
+        _assert_names(info.value, ValueError, name)
 
 
 def test_valid_arguments_pass_the_checks():

@@ -3,6 +3,10 @@ what is checked is what each replayed launch is handed against what a fresh call
 On the GPU, tests/gpu checks that replayed calls compute the right result."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -343,6 +347,61 @@ def test_replay_keys_on_shape_and_alignment(logged):
     assert len(rep._plans) == 3
 
 
+def _op_args(inputs: tuple, backend: str) -> tuple:
+    """``torch.ops.mxfx.moe``'s arguments for :func:`_inputs`' tensors (without the counters)."""
+    return (*inputs[:9], GPT_OSS.layout, GPT_OSS.alpha, GPT_OSS.beta, GPT_OSS.limit, "none", backend, "even")
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_unfused"])
+def test_op_calls_replay_on_the_ops_key(logged, monkeypatch, backend):
+    """``torch.ops.mxfx.moe`` passes the Triton backends its checked signature as the replay's
+    key (no second key built): a call with new tensors of the same signature replays what a fresh
+    call hands the kernels, while x at another 16-byte alignment or a weight with other strides
+    is a new signature, recorded anew."""
+    from mxfx import ops
+    from mxfx.oracle import Platform
+
+    hopper = Platform("cuda", "sm90", frozenset({"triton"}))
+    monkeypatch.setattr(ops.Platform, "current", staticmethod(lambda device=None: hopper))
+    monkeypatch.setattr(ops, "_CHECKED", {})
+    fused = backend == "triton"
+    rep = moe._FUSED if fused else moe._UNFUSED
+    monkeypatch.setattr(rep, "_plans", {})
+    fn = moe._fused_moe if fused else moe._unfused_moe
+    static = (GPT_OSS, ActivationQuant()) if fused else (GPT_OSS, activation.gated_activation)
+
+    torch.ops.mxfx.moe(*_op_args(_inputs(4, 0), backend))  # records
+    (key,) = rep._plans
+    assert isinstance(key[1][0], ops._Resolved)
+    (plan,) = rep._plans.values()
+    positions = [[p for p, _, _ in step.patches] for step in plan.launches]
+
+    def replayed_as_fresh(inputs: tuple) -> None:
+        logged.clear()
+        out = torch.ops.mxfx.moe(*_op_args(inputs, backend))
+        replayed = list(logged)
+        logged.clear()
+        args = (*inputs[:9], None) if fused else inputs[:9]
+        fresh_out = fn(*args, *static)
+        fresh = _canonical(logged, args, fresh_out, positions)
+        assert _temps_renamed(_canonical(replayed, args, out, positions), fresh) == fresh
+
+    replayed_as_fresh(_inputs(4, 1))
+    assert len(rep._plans) == 1
+    second = _inputs(4, 2)
+    shifted = torch.empty(4 * H + 1, dtype=torch.bfloat16)[1:].view(4, H)
+    shifted.copy_(second[0])
+    logged.clear()
+    torch.ops.mxfx.moe(*_op_args((shifted, *second[1:]), backend))
+    assert len(rep._plans) == 2
+    w2_bias = second[8].t().contiguous().t()  # same shape and values, other strides
+    assert w2_bias.stride() != second[8].stride()
+    torch.ops.mxfx.moe(*_op_args((*second[:8], w2_bias), backend))
+    assert len(rep._plans) == 3
+    replayed_as_fresh((*_inputs(4, 3)[:8], w2_bias))
+    assert len(rep._plans) == 3
+
+
 def test_a_call_doing_more_than_launches_is_left_unplanned(logged):
     """Non-contiguous ids are copied by ``reshape``: that copy is not a launch, so the
     signature gets no plan and every call runs the launch code."""
@@ -421,3 +480,16 @@ def test_temporaries_tool_plans_an_eager_call():
     spec.loader.exec_module(tool)
     assert 12.0 <= tool.plan_ratio("gpt-oss-120b", 8, "none") < 12.1
     assert tool.plan_ratio("gpt-oss-120b", 1, "none") == 36.0
+
+
+def test_host_profile_tool_measures_the_replayed_call():
+    """``tools/profile_moe_eager.py --host-only`` (no GPU) times the op as it runs on a GPU:
+    replayed from a plan, launches recorded instead of run."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "profile_moe_eager.py"
+    run = subprocess.run([sys.executable, str(tool), "--host-only", "--calls", "3"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split("  ")[0] for line in lines[:3]] == [
+        "torch.ops.mxfx.moe", "the op's body, no dispatcher", "fused_moe"]
+    assert lines[3] == "replayed from a plan: True"

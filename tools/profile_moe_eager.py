@@ -7,9 +7,9 @@ On a GPU: the wall time of an eager ``torch.ops.mxfx.moe`` call (gpt-oss-120b sh
 each piece (the op, ``fused_moe``, routing, one GEMM launch, a plain torch launch for scale)
 on a tiny shape whose kernels take a few µs, so that back-to-back calls measure the host.
 Both with mxfx's direct kernel launches (:mod:`mxfx.kernels.launch`) on and off, in the same
-process. Without a GPU (or with ``--host-only``): the Python glue of ``fused_moe`` on CPU
-tensors with the kernel launches recorded instead of run. ``--profile`` adds a cProfile of
-the op's host path.
+process. Without a GPU (or with ``--host-only``): the host path of the op, its body and
+``fused_moe`` on CPU tensors, as a call replayed on a Hopper GPU runs it but with the launches
+recorded instead of run (:func:`host_only`). ``--profile`` adds a cProfile of the op's host path.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mxfx.ops  # noqa: E402  (registers torch.ops.mxfx)
 from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
-from mxfx.kernels import launch, moe, routing  # noqa: E402
+from mxfx.kernels import launch, moe, moe_sm90, routing  # noqa: E402
+from mxfx.oracle import Platform  # noqa: E402
 from mxfx.oracle.shapes import SHAPES  # noqa: E402
 
 SHAPE = SHAPES["gpt-oss-120b"]
@@ -92,6 +93,35 @@ def pieces(T: int, E: int, H: int, I: int, k: int, dev: str) -> dict:
     return out
 
 
+def host_only() -> None:
+    """The host path of a replayed call on a simulated Hopper GPU, with CPU tensors: launches
+    recorded and replayed as on the GPU, but not run (as tests/test_replay.py fakes them), and
+    the expert ids not read back (on a GPU a kernel checks them)."""
+
+    class NotRun:
+        name = "not run"
+
+        def __call__(self, grid, stream, call) -> None:
+            pass
+
+    def record(self, grid, a, meta) -> None:
+        into = launch.recorded()
+        if into is not None:
+            into.append((NotRun(), grid, a, launch.key_and_call(0, a, meta)[1]))
+
+    hopper = Platform("cuda", "sm90", frozenset({"triton"}))
+    sync = torch.zeros(moe._SYNC_WORDS, dtype=torch.int32)
+    launch.Launcher._launch = record
+    launch.direct_launches = lambda t: True
+    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    mxfx.ops.Platform.current = staticmethod(lambda device=None: hopper)
+    mxfx.ops.check_expert_ids = lambda ids, experts: None
+    moe_sm90.runs_on = lambda device: True
+    moe.hopper_fits = lambda x, weights: True
+    moe._sync_buffer = lambda x: sync
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=1)
@@ -102,9 +132,17 @@ def main() -> None:
     gpu = torch.cuda.is_available() and not args.host_only
     E, H, I, k = SHAPE.num_experts, SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.top_k
     if not gpu:
-        launch.Launcher._launch = lambda self, grid, a, meta: None
-        for name, fn in pieces(args.T, E, H, I, k, "cpu").items():
+        host_only()
+        W, x, tw, ids = problem(args.T, E, H, I, k, "cpu")
+        rows = {
+            "torch.ops.mxfx.moe": op_call(W, x, tw, ids),
+            "the op's body, no dispatcher": op_call(W, x, tw, ids, mxfx.ops.moe),
+            "fused_moe": lambda: moe.fused_moe(x, tw, ids, W, ACT, ActivationQuant()),
+        }
+        for name, fn in rows.items():
             print(f"{name:28s} {per_call_us(fn, args.calls, lambda: None):8.1f} µs host (launches not run)")
+        plans = [p for p in moe._FUSED._plans.values() if not isinstance(p, str)]
+        print(f"replayed from a plan: {bool(plans)}")
         return
     sync = torch.cuda.synchronize
     op = op_call(*problem(args.T, E, H, I, k, "cuda"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -88,7 +88,25 @@ class Backend(ABC):
         act: GatedActivation,
         aq: ActivationQuant,
     ) -> torch.Tensor:
-        """``mxfx.moe`` on already-validated arguments → ``[T, H]`` in ``x.dtype``."""
+        """``mxfx.moe`` on already-validated arguments → ``[T, H]`` in ``x.dtype``.
+
+        A backend that caches per call signature may take one more argument, ``key`` (a
+        hashable, or None): :func:`mxfx.ops.moe` then passes one that is equal for calls whose
+        tensors have equal :func:`signature` and whose other arguments are equal, and only for
+        those, so that the backend need not build its own."""
+
+
+def signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """What a call's tensors are cached on: each one's dtype, shape, strides, device and address
+    modulo 16 (what kernels specialize pointers on), or None. Raises ``RuntimeError`` on a
+    tensor without strides (a sparse one)."""
+    parts: list = []
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+        else:
+            parts += (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
+    return tuple(parts)
 
 
 def expert_id_error(top: int, num_experts: int) -> str:

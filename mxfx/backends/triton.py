@@ -8,6 +8,7 @@ MX matrix instructions and MXFP4 weights, quantized into MX elements for ``tl.do
 """
 from __future__ import annotations
 
+from typing import Hashable, Optional
 
 import torch
 
@@ -43,10 +44,11 @@ class TritonBackend(Backend):
         weights: MoEWeights,
         act: GatedActivation,
         aq: ActivationQuant,
+        key: Optional[Hashable] = None,
     ) -> torch.Tensor:
         from mxfx.kernels.moe import fused_moe
 
-        return fused_moe(x, topk_weights, topk_ids, weights, act, aq)
+        return fused_moe(x, topk_weights, topk_ids, weights, act, aq, key)
 
 
 BACKEND = TritonBackend()

@@ -5,6 +5,8 @@ picks it for an A8/A4 layer, and ``run`` refuses such a request rather than igno
 """
 from __future__ import annotations
 
+from typing import Hashable, Optional
+
 import torch
 
 from mxfx.activation import GatedActivation
@@ -34,6 +36,7 @@ class TritonUnfusedBackend(Backend):
         weights: MoEWeights,
         act: GatedActivation,
         aq: ActivationQuant,
+        key: Optional[Hashable] = None,
     ) -> torch.Tensor:
         if aq.fmt != "none":
             raise ValueError(
@@ -42,7 +45,7 @@ class TritonUnfusedBackend(Backend):
         from mxfx.kernels.activation import gated_activation
         from mxfx.kernels.moe import unfused_moe
 
-        return unfused_moe(x, topk_weights, topk_ids, weights, act, gated_activation)
+        return unfused_moe(x, topk_weights, topk_ids, weights, act, gated_activation, key)
 
 
 BACKEND = TritonUnfusedBackend()

@@ -107,8 +107,11 @@ def recorded() -> Optional[list]:
 
 def hooked() -> bool:
     """Whether launch hooks are installed (Triton 3.6 keeps them in chains, empty by default)."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+    return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+
+
+def _hooked(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class Launcher:

@@ -12,7 +12,7 @@ both GEMMs and the k-sum are a chain of launches by PDL (:func:`_pdl_chain`).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Hashable, NamedTuple, Optional
 
 import torch
 
@@ -399,6 +399,7 @@ def fused_moe(
     weights: MoEWeights,
     act: GatedActivation,
     aq: ActivationQuant,
+    key: Optional[Hashable] = None,
 ) -> torch.Tensor:
     """``mxfx.moe`` on validated arguments: routing prep, GEMM1+activation, GEMM2, k-sum.
 
@@ -413,12 +414,13 @@ def fused_moe(
     a multiple of 128 columns (under activation quantization
     the intermediate twice: as GEMM1 stores it, and dot-ordered), and in its blocks of up to 64
     rows 3 int32 words per tile of each GEMM (whether it met a scale over 128). Replayed from a
-    launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same signature.
+    launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same signature
+    (``key``, where the caller has one: see :meth:`mxfx.backends.base.Backend.run`).
     """
     w = weights
     sync = _sync_buffer(x) if moe_sm90.runs_on(x.device) else None
     return _FUSED((x, topk_weights, topk_ids, w.w13, w.w13_scale, w.w13_bias, w.w2, w.w2_scale, w.w2_bias, sync),
-                  (act, aq))
+                  (act, aq), None if key is None else (key, sync is None))
 
 
 # The counters of moe_sm90._moe_per_pair_sm90, per device and stream: zero between calls, so
@@ -562,6 +564,7 @@ def unfused_moe(
     weights: MoEWeights,
     act: GatedActivation,
     gated_activation: Callable[[torch.Tensor, GatedActivation], torch.Tensor],
+    key: Optional[Hashable] = None,
 ) -> torch.Tensor:
     """Grouped GEMM1 (+bias, ``[T*k, 2I]`` in x.dtype) → ``gated_activation`` → GEMM2 → k-sum.
 
@@ -569,12 +572,13 @@ def unfused_moe(
     from them reaches the output. For the warp-specialized kernel x and the activation's output
     are also copied in the dot's K order (:func:`mxfx.kernels.moe_sm90_ws.dot_order`).
     Replayed from a launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same
-    signature, when ``gated_activation`` only allocates and launches through
-    :class:`~mxfx.kernels.launch.Launcher` (as :func:`mxfx.kernels.activation.gated_activation`).
+    signature (``key``, as :func:`fused_moe`'s), when ``gated_activation`` only allocates and
+    launches through :class:`~mxfx.kernels.launch.Launcher` (as
+    :func:`mxfx.kernels.activation.gated_activation`).
     """
     w = weights
     return _UNFUSED((x, topk_weights, topk_ids, w.w13, w.w13_scale, w.w13_bias, w.w2, w.w2_scale, w.w2_bias),
-                    (act, gated_activation))
+                    (act, gated_activation), None if key is None else (key, gated_activation))
 
 
 def _unfused_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_bias, w2, w2_scale, w2_bias, act, gated_activation):

@@ -18,7 +18,7 @@ Only where :class:`~mxfx.kernels.launch.Launcher` launches directly (CUDA, no la
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Hashable, NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -139,29 +139,27 @@ def _pack(spans: dict[int, tuple[int, int, int]]) -> dict[int, _Region]:
 class Replayer:
     """``Replayer(fn)(tensors, static)`` is ``fn(*tensors, *static)``, replayed from a plan
     where one exists. ``tensors``: the function's tensor inputs (or None), all on one device;
-    ``static``: its other arguments, hashable. ``fn`` must return one newly allocated tensor."""
+    ``static``: its other arguments, hashable. ``fn`` must return one newly allocated tensor.
+    The plans are per signature: each tensor's dtype, shape, strides and address modulo 16,
+    and ``static``; or ``key``, where the caller has one that is equal exactly when those are."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
         self._fn = fn
         # A plan per signature seen, or why there is none.
         self._plans: dict[tuple, _Plan | str] = {}
 
-    def __call__(self, tensors: tuple, static: tuple) -> torch.Tensor:
+    def __call__(self, tensors: tuple, static: tuple, key: Optional[Hashable] = None) -> torch.Tensor:
         first = tensors[0]
         if not launch.direct_launches(first):
             return self._fn(*tensors, *static)
         device = torch.cuda.current_device()
-        parts: list = [device, first.get_device(), *static]
-        bases: list = []
-        for t in tensors:
-            if t is None:
-                parts.append(None)
-                bases.append(0)
-            else:
-                ptr = t.data_ptr()
-                parts += (t.dtype, t.shape, t.stride(), ptr % 16)
-                bases.append(ptr)
-        key = tuple(parts)
+        bases: list = [0 if t is None else t.data_ptr() for t in tensors]
+        if key is None:
+            parts: list = [first.get_device(), *static]
+            for t, ptr in zip(tensors, bases):
+                parts += (None,) if t is None else (t.dtype, t.shape, t.stride(), ptr % 16)
+            key = tuple(parts)
+        key = (device, key)
         plan = self._plans.get(key, _UNSEEN)
         if plan is _UNSEEN:
             return self._record(key, tensors, static)
