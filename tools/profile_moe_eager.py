@@ -74,22 +74,25 @@ def op_call(W, x, tw, ids, fn=None):
 
 
 def pieces(T: int, E: int, H: int, I: int, k: int, dev: str) -> dict:
+    """The host path's pieces to time: the op, its body and ``fused_moe``; on CUDA also the
+    routing, one GEMM launch and plain torch calls for scale."""
     W, x, tw, ids = problem(T, E, H, I, k, dev)
-    out = {"fused_moe": lambda: moe.fused_moe(x, tw, ids, W, ACT, ActivationQuant())}
+    out = {
+        "torch.ops.mxfx.moe": op_call(W, x, tw, ids),
+        "the op's body, no dispatcher": op_call(W, x, tw, ids, mxfx.ops.moe),
+        "fused_moe": lambda: moe.fused_moe(x, tw, ids, W, ACT, ActivationQuant()),
+    }
     if dev == "cuda":
         cfg = moe.pick_config(T * k, E, x.shape[1], moe.hopper_fits(x, W))
         r = routing.align(ids, E, cfg.block_m)
         inter = torch.empty(T * k, I, dtype=x.dtype, device=dev)
-        out = {
-            "torch.ops.mxfx.moe": op_call(W, x, tw, ids),
-            "the op's body, no dispatcher": op_call(W, x, tw, ids, mxfx.ops.moe),
-            **out,
+        out.update({
             "routing.align": lambda: routing.align(ids, E, cfg.block_m),
             "one GEMM launch": lambda: moe._gemm(x, k, W.w13, W.w13_scale, W.w13_bias, r, inter, 0, I,
                                                  H, cfg, block_n=cfg.block_n1, act=ACT),
             "torch.empty": lambda: torch.empty(T * k, I, dtype=x.dtype, device=dev),
             "torch x.add_(0), for scale": lambda: x.add_(0),
-        }
+        })
     return out
 
 
@@ -133,13 +136,7 @@ def main() -> None:
     E, H, I, k = SHAPE.num_experts, SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.top_k
     if not gpu:
         host_only()
-        W, x, tw, ids = problem(args.T, E, H, I, k, "cpu")
-        rows = {
-            "torch.ops.mxfx.moe": op_call(W, x, tw, ids),
-            "the op's body, no dispatcher": op_call(W, x, tw, ids, mxfx.ops.moe),
-            "fused_moe": lambda: moe.fused_moe(x, tw, ids, W, ACT, ActivationQuant()),
-        }
-        for name, fn in rows.items():
+        for name, fn in pieces(args.T, E, H, I, k, "cpu").items():
             print(f"{name:28s} {per_call_us(fn, args.calls, lambda: None):8.1f} µs host (launches not run)")
         plans = [p for p in moe._FUSED._plans.values() if not isinstance(p, str)]
         print(f"replayed from a plan: {bool(plans)}")

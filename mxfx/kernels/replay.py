@@ -23,6 +23,7 @@ from typing import Callable, Hashable, NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mxfx.backends.base import signature
 from mxfx.kernels import launch
 
 _ALLOCATIONS = {
@@ -140,8 +141,8 @@ class Replayer:
     """``Replayer(fn)(tensors, static)`` is ``fn(*tensors, *static)``, replayed from a plan
     where one exists. ``tensors``: the function's tensor inputs (or None), all on one device;
     ``static``: its other arguments, hashable. ``fn`` must return one newly allocated tensor.
-    The plans are per signature: each tensor's dtype, shape, strides and address modulo 16,
-    and ``static``; or ``key``, where the caller has one that is equal exactly when those are."""
+    The plans are per :func:`~mxfx.backends.base.signature` of ``tensors`` and ``static``, or per
+    ``key``, where the caller has one that is equal exactly when those are."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
         self._fn = fn
@@ -153,18 +154,13 @@ class Replayer:
         if not launch.direct_launches(first):
             return self._fn(*tensors, *static)
         device = torch.cuda.current_device()
-        bases: list = [0 if t is None else t.data_ptr() for t in tensors]
-        if key is None:
-            parts: list = [first.get_device(), *static]
-            for t, ptr in zip(tensors, bases):
-                parts += (None,) if t is None else (t.dtype, t.shape, t.stride(), ptr % 16)
-            key = tuple(parts)
-        key = (device, key)
+        key = (device, (signature(tensors), *static) if key is None else key)
         plan = self._plans.get(key, _UNSEEN)
         if plan is _UNSEEN:
             return self._record(key, tensors, static)
         if type(plan) is str:
             return self._fn(*tensors, *static)
+        bases: list = [0 if t is None else t.data_ptr() for t in tensors]
         if plan.workspace:
             workspace = torch.empty(plan.workspace, dtype=torch.uint8, device=plan.device)
             bases.append(workspace.data_ptr())
