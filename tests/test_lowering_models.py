@@ -99,6 +99,20 @@ def mixtral(impl: str = "grouped_mm"):
     return randomize(MixtralForCausalLM(cfg))
 
 
+def deepseek_v3():
+    """A shared expert beside the routed ones, sigmoid scores with a correction bias, MLA."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        hidden_size=H, moe_intermediate_size=I, intermediate_size=2 * I, n_routed_experts=E,
+        num_experts_per_tok=K, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+        kv_lora_rank=16, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        vocab_size=128,
+    )
+    return randomize(DeepseekV3ForCausalLM(cfg))
+
+
 def tokens(n: int = 9) -> torch.Tensor:
     return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(1))
 
@@ -111,6 +125,12 @@ def test_gpt_oss_two_layers_grouped_mm():
 
 def test_qwen3_moe_grouped_mm():
     ref, out, code = compiled(qwen3_moe(), tokens())
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form="grouped_mm", whole_model=True)
+
+
+def test_deepseek_v3_grouped_mm():
+    ref, out, code = compiled(deepseek_v3(), tokens())
     assert rel_err(out, ref) < 1e-5
     assert_rewritten(code, layers=1, form="grouped_mm", whole_model=True)
 
