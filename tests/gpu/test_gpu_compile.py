@@ -1,10 +1,9 @@
 """The lowering on CUDA: the demo's gpt-oss model, its experts in MXFP4 (``mxfx.quantize_``),
 compiled with mxfx runs ``mxfx.moe`` on the triton backend, in Inductor's default mode and under
 Inductor's CUDA graphs (``mode="reduce-overhead"``, as gpt-fast compiles: the first call runs
-eagerly, the second is captured, later ones replay with new tokens)."""
+eagerly, the second is captured, later ones replay with new tokens). On the CPU (emulation,
+where Inductor makes no graphs) the same steps run in CI."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -15,11 +14,7 @@ from mxfx.demo import build_model
 
 pytest.importorskip("transformers")
 
-# MXFX_TEST_DEVICE=cpu runs the same steps on the CPU (emulation, no CUDA graphs): a check of
-# the test itself on a machine without a GPU.
-DEVICE = os.environ.get("MXFX_TEST_DEVICE", "cuda")
-BACKEND = "triton" if DEVICE == "cuda" else "emulation"
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,20 +23,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _logits(model, batches, mode=None) -> list[torch.Tensor]:
     """Each batch's logits (copied: CUDA graph outputs are overwritten by the next replay), by
-    ``model`` compiled with mxfx enabled, the FX graph cache off so that the pass runs."""
+    ``model`` compiled with mxfx enabled, the compile caches off so that the pass runs."""
+    import torch._functorch.config as functorch_config
+
     torch._dynamo.reset()
     lowering.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False), mxfx.enabled():
+    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
+            mxfx.enabled():
         compiled = torch.compile(model, mode=mode)
         return [compiled(b).logits.clone() for b in batches]
 
 
-def test_compiled_mxfp4_model_runs_the_backend_with_and_without_cuda_graphs():
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    model = build_model("gpt-oss", DEVICE, dtype)
+@pytest.mark.parametrize("device, backend", [("cpu", "emulation"), pytest.param("cuda", "triton", marks=CUDA)])
+def test_compiled_mxfp4_model_runs_the_backend_with_and_without_cuda_graphs(device, backend):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model("gpt-oss", device, dtype)
     mxfx.quantize_(model)
-    gen = torch.Generator(device=DEVICE).manual_seed(1)
-    batches = [torch.randint(0, model.config.vocab_size, (1, 12), device=DEVICE, generator=gen) for _ in range(4)]
+    gen = torch.Generator(device=device).manual_seed(1)
+    batches = [torch.randint(0, model.config.vocab_size, (1, 12), device=device, generator=gen) for _ in range(4)]
     with torch.no_grad():
         eager = [model(b).logits for b in batches]
         plain = _logits(model, batches)
@@ -50,7 +49,7 @@ def test_compiled_mxfp4_model_runs_the_backend_with_and_without_cuda_graphs():
         moe_graphs = [r for r in lowering.report() if r.form == "grouped_mm"]
     for records in (moe, moe_graphs):
         assert len(records) == model.config.num_hidden_layers
-        assert all(r.rewritten and r.backend == BACKEND for r in records), [str(r) for r in records]
+        assert all(r.rewritten and r.backend == backend for r in records), [str(r) for r in records]
     for e, p, g in zip(eager, plain, graphs):
         assert torch.isfinite(p).all()
         assert _rel(p, e) < (3e-2 if dtype == torch.bfloat16 else 1e-4)
