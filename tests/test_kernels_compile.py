@@ -98,6 +98,25 @@ def test_sass_opcodes_are_read_past_4096_instructions():
     assert json.loads(_in_tool_process(code, json.dumps(sass))[-1]) == ["IMAD.MOV.U32", "STL", "BRA"]
 
 
+def test_longest_loop_is_the_kernels_own_not_a_called_functions():
+    # moe_sm90's exact redo (_k_loops_exact, noinline) holds a longer loop than the K loop that
+    # runs; nvdisasm places its body after the kernel's, under a "$kernel$function:" label.
+    sass = ["_k:",
+            ".L_x_0:",
+            "        /*0000*/                   IADD3 R1, R1, 0x1, RZ ;",
+            "        /*0010*/               @P0 BRA `(.L_x_0) ;",
+            "        /*0020*/                   CALL.REL.NOINC `($_k$_redo) ;",
+            "        /*0030*/                   EXIT ;",
+            "$_k$_redo:",
+            ".L_x_1:",
+            *[f"        /*{0x40 + 16 * i:04x}*/                   HMUL2.BF16_V2 R2, R2, R3 ;" for i in range(4)],
+            "        /*0080*/               @P0 BRA `(.L_x_1) ;",
+            "        /*0090*/                   RET.REL.NODEC R4 `(_k) ;"]
+    code = ("import json, sys; import compile_kernels as c\n"
+            "print(json.dumps(c._opcodes(c.longest_loop(json.load(sys.stdin)))))")
+    assert json.loads(_in_tool_process(code, json.dumps(sass))[-1]) == ["IADD3", "BRA"]
+
+
 def test_dot_order_stores_whole_16_byte_pieces():
     """sm90_tile.ordered_copy permutes each 128-wide step in registers, so that its stores stay
     contiguous, in every order it writes (the warp-specialized kernel's two dot orders, the

@@ -7,9 +7,9 @@ MX helpers. Each distinct specialization is then bound, specialized and compiled
 Triton's own launch would do it for the target, through to the device binary (ptxas for
 CUDA, the AMDGPU backend for ROCm), so a kernel that does not build for a GPU fails here
 without one. One line per specialization, or ``--json``. ``--sass`` (CUDA targets) adds the
-SASS instruction count of each kernel's longest loop and its most frequent opcodes, a
-first look at a variant's arithmetic cost before timing it on a GPU (with a model's sizes,
-so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from Triton's cache,
+SASS instruction count of each kernel's longest loop (in its own code, not in the functions it
+calls) and its most frequent opcodes, a first look at a variant's arithmetic cost before timing
+it on a GPU (with a model's sizes, so that the K loop is a loop). CUDA kernels are compiled afresh, not taken from Triton's cache,
 so that ptxas's log is read: a kernel whose wgmma instructions ptxas serialized (too few
 registers, for one) is marked ``WGMMA SERIALIZED`` (``serialized_wgmma`` in ``--json``), one that
 spills registers to local memory ``SPILLS`` (``spill_bytes``). Kernels with PDL instructions
@@ -217,17 +217,24 @@ def grid_control(cubin: bytes) -> dict:
             "loads_before_waits": [sum(loads[start + 1:end]) for start, end in zip([-1] + waits, waits)]}
 
 
-def loop_sass(cubin: bytes, top: int = 8) -> dict:
-    """Instruction count and most frequent opcodes of the longest loop (the span between a
-    backward branch and its target) in a CUDA binary."""
-    text = _sass(cubin)
+def longest_loop(sass: list) -> list:
+    """The lines of the longest loop (the span between a backward branch and its target) in the
+    kernel's own code. Functions it calls are left out: nvdisasm places a noinline function's
+    body (labelled ``$kernel$function:``) after the kernel's, and moe_sm90's exact redo
+    (``_k_loops_exact``), a longer loop than the one that runs, would otherwise be reported."""
+    text = next((sass[:i] for i, line in enumerate(sass) if re.match(r"^\$\S+:$", line)), sass)
     labels = {line[:-1]: i for i, line in enumerate(text) if re.match(r"^\.L_x_\d+:$", line)}
     best: list[str] = []
     for i, line in enumerate(text):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > len(best):
             best = text[labels[m.group(1)]:i + 1]
-    ops = [op.split(".")[0] for op in _opcodes(best)]
+    return best
+
+
+def loop_sass(cubin: bytes, top: int = 8) -> dict:
+    """Instruction count and most frequent opcodes of a CUDA binary's :func:`longest_loop`."""
+    ops = [op.split(".")[0] for op in _opcodes(longest_loop(_sass(cubin)))]
     return {"loop_instructions": len(ops), "top": collections.Counter(ops).most_common(top)}
 
 
