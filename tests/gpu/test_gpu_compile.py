@@ -10,7 +10,7 @@ import torch
 
 import mxfx
 from mxfx import lowering
-from mxfx.demo import build_model
+from mxfx.demo import _no_compile_caches, build_model
 
 pytest.importorskip("transformers")
 
@@ -24,12 +24,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _logits(model, batches, mode=None) -> list[torch.Tensor]:
     """Each batch's logits (copied: CUDA graph outputs are overwritten by the next replay), by
     ``model`` compiled with mxfx enabled, the compile caches off so that the pass runs."""
-    import torch._functorch.config as functorch_config
-
     torch._dynamo.reset()
     lowering.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
-            mxfx.enabled():
+    with _no_compile_caches(), mxfx.enabled():
         compiled = torch.compile(model, mode=mode)
         return [compiled(b).logits.clone() for b in batches]
 
