@@ -12,6 +12,7 @@ both GEMMs and the k-sum are a chain of launches by PDL (:func:`_pdl_chain`).
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Hashable, NamedTuple, Optional
 
 import torch
@@ -443,8 +444,20 @@ def _sync_buffer(x: torch.Tensor) -> Optional[torch.Tensor]:
     key = (device, torch._C._cuda_getCurrentRawStream(device))
     buf = _sync.get(key)
     if buf is None:
-        buf = _sync[key] = torch.zeros(_SYNC_WORDS, dtype=torch.int32, device=x.device)
+        buf = _sync[key] = _allocated_outside_pools(_SYNC_WORDS, torch.int32, x.device).zero_()
     return buf
+
+
+def _allocated_outside_pools(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor from the caching allocator's ordinary pool, even where this
+    thread's allocations go to a private one: Inductor's CUDA graph trees warm up (run eagerly,
+    not capturing) with every allocation of their thread sent to their graphs' pool, and when
+    they later restore that pool to an earlier checkpoint they free whatever they do not know
+    of, so a buffer kept across calls there would have its bytes handed to a graph's tensors.
+    Allocated by another thread for that (the pools are chosen per thread); nothing is launched
+    there, so the caller's stream orders whatever it then does with the tensor."""
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(torch.empty, numel, dtype=dtype, device=device).result()
 
 
 def _per_pair_in_one(x, topk_weights, topk_ids, weights, act, aq, cfg, inter, sync) -> torch.Tensor:

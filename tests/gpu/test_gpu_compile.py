@@ -2,7 +2,8 @@
 compiled with mxfx runs ``mxfx.moe`` on the triton backend, in Inductor's default mode and under
 Inductor's CUDA graphs (``mode="reduce-overhead"``, as gpt-fast compiles: the first call runs
 eagerly, the second is captured, later ones replay with new tokens). On the CPU (emulation,
-where Inductor makes no graphs) the same steps run in CI."""
+where Inductor makes no graphs) the same steps run in CI. And the eager path's persistent
+counters stay out of the graphs' private memory pool."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import mxfx
 from mxfx import lowering
 from mxfx.demo import _no_compile_caches, build_model
+from mxfx.kernels import moe
 
 pytest.importorskip("transformers")
 
@@ -52,3 +54,27 @@ def test_compiled_mxfp4_model_runs_the_backend_with_and_without_cuda_graphs(devi
         assert _rel(p, e) < (3e-2 if dtype == torch.bfloat16 else 1e-4)
         # The same kernels, launched from a graph: the same logits, to the bit.
         assert torch.equal(g, p)
+
+
+@CUDA
+def test_eager_counters_stay_out_of_the_private_pool_the_thread_allocates_to():
+    """``moe._sync_buffer``'s counters, first asked for while this thread's allocations go to a
+    private pool (as while Inductor's CUDA graph trees warm up), come from the ordinary pool:
+    the trees free the blocks of their pool they do not know of when they restore a checkpoint,
+    and the counters are kept across calls."""
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
+    pool = torch.cuda.MemPool()
+    stream = torch.cuda.Stream()  # one that has no counters yet
+    with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
+        control = torch.empty(1024, device="cuda")
+        counters = moe._sync_buffer(x)
+    stream.synchronize()
+
+    def pool_of(t: torch.Tensor) -> tuple[int, int]:
+        [segment] = [s for s in torch.cuda.memory_snapshot()
+                     if s["address"] <= t.data_ptr() < s["address"] + s["total_size"]]
+        return tuple(segment["segment_pool_id"])
+
+    assert pool_of(control) == tuple(pool.id)  # the check sees the private pool
+    assert pool_of(counters) != tuple(pool.id)
+    assert not counters.any()
