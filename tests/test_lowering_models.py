@@ -10,7 +10,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import mxfx
-from mxfx import lowering
+from mxfx import backends, lowering
 
 H, I, E, K = 64, 32, 4, 2
 
@@ -121,6 +121,37 @@ def test_gpt_oss_two_layers_grouped_mm():
     ref, out, code = compiled(gpt_oss(2), tokens())
     assert rel_err(out, ref) < 1e-5
     assert_rewritten(code, layers=2, form="grouped_mm", whole_model=True)
+
+
+def test_gpt_oss_generate_compiled_gives_eager_tokens(monkeypatch):
+    """transformers' ``generate`` (greedy, KV cache, a batch of two) on MXFP4 experts with the
+    forward compiled: the prefill and the one-token decode steps, whose shapes recompile, each
+    run ``mxfx.moe``, and the tokens and logits are eager's."""
+    model = gpt_oss(2)
+    mxfx.quantize_(model)
+    prompt = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    backend = backends.get("emulation")
+    run, tokens_run = backend.run, []
+
+    def counted(x, *args, **kwargs):
+        tokens_run.append(x.shape[0])
+        return run(x, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "run", counted)
+    torch._dynamo.reset()
+    lowering.clear()
+    greedy = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        ref = model.generate(prompt, **greedy)
+        tokens_run.clear()
+        model.forward = torch.compile(model.forward)
+        with mxfx.enabled():
+            out = model.generate(prompt, **greedy)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max(rel_err(o, r) for o, r in zip(out.logits, ref.logits)) < 1e-5
+    assert tokens_run == [18] * 2 + [2] * 2 * 4  # two layers: the prompt, then four decode steps
+    moe_records = [r for r in lowering.report() if r.form == "grouped_mm"]
+    assert moe_records and all(r.rewritten and r.backend == "emulation" for r in moe_records)
 
 
 def test_qwen3_moe_grouped_mm():
