@@ -451,11 +451,11 @@ def _sync_buffer(x: torch.Tensor) -> Optional[torch.Tensor]:
 def _allocated_outside_pools(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialized tensor from the caching allocator's ordinary pool, even where this
     thread's allocations go to a private one: Inductor's CUDA graph trees warm up (run eagerly,
-    not capturing) with every allocation of their thread sent to their graphs' pool, and when
-    they later restore that pool to an earlier checkpoint they free whatever they do not know
-    of, so a buffer kept across calls there would have its bytes handed to a graph's tensors.
-    Allocated by another thread for that (the pools are chosen per thread); nothing is launched
-    there, so the caller's stream orders whatever it then does with the tensor."""
+    not capturing) with every allocation of their thread sent to their graphs' pool, then raise
+    if a live block of that pool is not an output they track, and when they restore the pool to
+    a checkpoint they free the blocks it does not list. A buffer kept across calls cannot live
+    there. Allocated by another thread for that (the pools are chosen per thread); nothing is
+    launched there, so the caller's stream orders whatever it then does with the tensor."""
     with ThreadPoolExecutor(1) as thread:
         return thread.submit(torch.empty, numel, dtype=dtype, device=device).result()
 

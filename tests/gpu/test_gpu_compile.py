@@ -60,8 +60,8 @@ def test_compiled_mxfp4_model_runs_the_backend_with_and_without_cuda_graphs(devi
 def test_eager_counters_stay_out_of_the_private_pool_the_thread_allocates_to():
     """``moe._sync_buffer``'s counters, first asked for while this thread's allocations go to a
     private pool (as while Inductor's CUDA graph trees warm up), come from the ordinary pool:
-    the trees free the blocks of their pool they do not know of when they restore a checkpoint,
-    and the counters are kept across calls."""
+    the counters are kept across calls, and the trees raise on a live block of their pool that
+    is not one of their outputs."""
     x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
     pool = torch.cuda.MemPool()
     stream = torch.cuda.Stream()  # one that has no counters yet
