@@ -7,14 +7,12 @@ The op is memory-bound: 3·d·itemsize bytes per row, nothing else.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from mxfx.activation import GatedActivation
-from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2
+from mxfx.kernels.launch import Launcher, cdiv, next_power_of_2, on_device
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096  # elements per program: enough loads in flight per SM, few registers per thread
@@ -95,9 +93,8 @@ def gated_activation(x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     m = x2.shape[0]
     block_m, block_d = _blocks(m, d)
     grid = (cdiv(m, block_m), cdiv(d, block_d))
-    device = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
     limit = 0.0 if act.limit is None else float(act.limit)
-    with device:
+    with on_device(x):
         _GATED[grid](
             x2, out, m, d, x2.stride(0), x2.stride(1),
             float(act.alpha), float(act.beta), limit,

@@ -56,6 +56,15 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A context that makes ``t``'s CUDA device the current one, where another is: Triton and
+    the direct launches launch on the current device's stream, and callers such as
+    transformers' ``device_map`` place layers on other GPUs without switching to them."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def key_and_call(device: int, args: tuple, meta: dict) -> tuple[tuple, list]:
     """What a direct launch is cached on, and the arguments its C launcher takes.
 

@@ -139,10 +139,11 @@ def _pack(spans: dict[int, tuple[int, int, int]]) -> dict[int, _Region]:
 
 class Replayer:
     """``Replayer(fn)(tensors, static)`` is ``fn(*tensors, *static)``, replayed from a plan
-    where one exists. ``tensors``: the function's tensor inputs (or None), all on one device;
-    ``static``: its other arguments, hashable. ``fn`` must return one newly allocated tensor.
-    The plans are per :func:`~mxfx.backends.base.signature` of ``tensors`` and ``static``, or per
-    ``key``, where the caller has one that is equal exactly when those are."""
+    where one exists. ``tensors``: the function's tensor inputs (or None), all on one device,
+    which the call makes current where it is not; ``static``: its other arguments, hashable.
+    ``fn`` must return one newly allocated tensor. The plans are per
+    :func:`~mxfx.backends.base.signature` of ``tensors`` and ``static``, or per ``key``, where
+    the caller has one that is equal exactly when those are."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
         self._fn = fn
@@ -152,8 +153,12 @@ class Replayer:
     def __call__(self, tensors: tuple, static: tuple, key: Optional[Hashable] = None) -> torch.Tensor:
         first = tensors[0]
         if not launch.direct_launches(first):
-            return self._fn(*tensors, *static)
+            with launch.on_device(first):
+                return self._fn(*tensors, *static)
         device = torch.cuda.current_device()
+        if first.is_cuda and first.get_device() != device:
+            with torch.cuda.device(first.device):
+                return self(tensors, static, key)
         key = (device, (signature(tensors), *static) if key is None else key)
         plan = self._plans.get(key, _UNSEEN)
         if plan is _UNSEEN:

@@ -242,6 +242,27 @@ def test_replayed_calls_match_emulation(fused, T, aq):
     assert not isinstance(replayer._plans[new], str), replayer._plans[new]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("T", [1, 64, 300])  # on Hopper: per pair, 8-row blocks, warp-specialized
+@pytest.mark.parametrize("fn", [moe.fused_moe, _unfused], ids=["fused", "unfused"])
+def test_inputs_on_a_device_that_is_not_the_current_one(fn, T):
+    """A layer on the second GPU while the first is current (as transformers' ``device_map``
+    places layers): the kernels run on the inputs' device, in the call that records the launch
+    plan and in the replays, and give what they give with that device current."""
+    E, H, I, k = 16, 2880, 2880, 4
+    with torch.cuda.device(1):
+        W = _weights(E, H, I, torch.bfloat16)
+        x, tw, ids = _inputs(T, H, E, k, torch.bfloat16, seed=3)
+    assert torch.cuda.current_device() == 0
+    outs = [fn(x, tw, ids, W, GPT_OSS, ActivationQuant()) for _ in range(2)]
+    with torch.cuda.device(1):
+        ref = fn(x, tw, ids, W, GPT_OSS, ActivationQuant())
+    torch.cuda.synchronize(1)
+    for out in outs:
+        assert out.device == x.device and torch.equal(out, ref)
+    assert _rel_err(ref, emulation.moe(x, tw, ids, W, GPT_OSS, ActivationQuant())) <= 5e-3
+
+
 def test_fast_launch_keys_on_alignment(monkeypatch):
     """Repeated launches reuse the compiled kernel; an input that is not 16-byte aligned gets
     a kernel specialized for it, and every result stays right."""
