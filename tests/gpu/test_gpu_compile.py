@@ -56,6 +56,49 @@ def test_compiled_mxfp4_model_runs_the_backend_with_and_without_cuda_graphs(devi
         assert torch.equal(g, p)
 
 
+@pytest.mark.parametrize("device, backend", [("cpu", "emulation"), pytest.param("cuda", "triton", marks=CUDA)])
+def test_generate_with_a_static_cache_under_cuda_graphs(device, backend):
+    """transformers' ``generate`` with a static KV cache on the MXFP4 model, mxfx enabled:
+    compiled by us in Inductor's default mode and under its CUDA graphs (the prefill and the
+    decode step two graphs of one tree), the same tokens and logits to the bit, the prefill's
+    logits as eager's; and compiled by transformers itself, as it does for static caches on GPUs
+    (the decode step only, under CUDA graphs), the first decode step's logits as eager's. Every
+    compile runs the backend."""
+    from transformers import CompileConfig
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    model = build_model("gpt-oss", device, dtype)
+    mxfx.quantize_(model)
+    gen = torch.Generator(device=device).manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 12), device=device, generator=gen)
+    greedy = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", output_logits=True,
+                  return_dict_in_generate=True)
+    own = CompileConfig()
+    own._compile_all_devices = True  # transformers' switch to compile on a CPU too
+    forward, runs = model.forward, {}
+    with torch.no_grad():
+        eager = model.generate(prompt, disable_compile=True, **greedy)
+        for mode in (None, "reduce-overhead", "transformers"):
+            torch._dynamo.reset()
+            lowering.clear()
+            with _no_compile_caches(), mxfx.enabled():
+                if mode == "transformers":
+                    runs[mode] = model.generate(prompt, compile_config=own, **greedy)
+                else:
+                    model.forward = torch.compile(forward, mode=mode)
+                    runs[mode] = model.generate(prompt, disable_compile=True, **greedy)
+                    model.forward = forward
+            moe = [r for r in lowering.report() if r.form == "grouped_mm"]
+            assert len(moe) >= model.config.num_hidden_layers, mode
+            assert all(r.rewritten and r.backend == backend for r in moe), [str(r) for r in moe]
+    plain, graphs, own_run = runs[None], runs["reduce-overhead"], runs["transformers"]
+    assert _rel(plain.logits[0], eager.logits[0]) < tol
+    assert torch.equal(graphs.sequences, plain.sequences)
+    assert all(torch.equal(g, p) for g, p in zip(graphs.logits, plain.logits))
+    assert torch.equal(own_run.logits[0], eager.logits[0])  # transformers runs the prefill eagerly
+    assert _rel(own_run.logits[1], eager.logits[1]) < tol
+
 @CUDA
 def test_eager_counters_stay_out_of_the_private_pool_the_thread_allocates_to():
     """``moe._sync_buffer``'s counters, first asked for while this thread's allocations go to a
