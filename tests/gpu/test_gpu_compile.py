@@ -43,10 +43,10 @@ def test_compiled_mxfp4_model_runs_the_backend_with_and_without_cuda_graphs(devi
     with torch.no_grad():
         eager = [model(b).logits for b in batches]
         plain = _logits(model, batches)
-        moe = [r for r in lowering.report() if r.form == "grouped_mm"]
+        moe_plain = [r for r in lowering.report() if r.form == "grouped_mm"]
         graphs = _logits(model, batches, mode="reduce-overhead")
         moe_graphs = [r for r in lowering.report() if r.form == "grouped_mm"]
-    for records in (moe, moe_graphs):
+    for records in (moe_plain, moe_graphs):
         assert len(records) == model.config.num_hidden_layers
         assert all(r.rewritten and r.backend == backend for r in records), [str(r) for r in records]
     for e, p, g in zip(eager, plain, graphs):
@@ -89,15 +89,16 @@ def test_generate_with_a_static_cache_under_cuda_graphs(device, backend):
                     model.forward = torch.compile(forward, mode=mode)
                     runs[mode] = model.generate(prompt, disable_compile=True, **greedy)
                     model.forward = forward
-            moe = [r for r in lowering.report() if r.form == "grouped_mm"]
-            assert len(moe) >= model.config.num_hidden_layers, mode
-            assert all(r.rewritten and r.backend == backend for r in moe), [str(r) for r in moe]
+            records = [r for r in lowering.report() if r.form == "grouped_mm"]
+            assert len(records) >= model.config.num_hidden_layers, mode
+            assert all(r.rewritten and r.backend == backend for r in records), [str(r) for r in records]
     plain, graphs, own_run = runs[None], runs["reduce-overhead"], runs["transformers"]
     assert _rel(plain.logits[0], eager.logits[0]) < tol
     assert torch.equal(graphs.sequences, plain.sequences)
     assert all(torch.equal(g, p) for g, p in zip(graphs.logits, plain.logits))
     assert torch.equal(own_run.logits[0], eager.logits[0])  # transformers runs the prefill eagerly
     assert _rel(own_run.logits[1], eager.logits[1]) < tol
+
 
 @CUDA
 def test_eager_counters_stay_out_of_the_private_pool_the_thread_allocates_to():
