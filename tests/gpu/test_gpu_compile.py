@@ -101,14 +101,15 @@ def test_generate_with_a_static_cache_under_cuda_graphs(device, backend):
 
 
 @CUDA
-def test_eager_counters_stay_out_of_the_private_pool_the_thread_allocates_to():
+def test_eager_counters_stay_out_of_the_private_pool_the_thread_allocates_to(monkeypatch):
     """``moe._sync_buffer``'s counters, first asked for while this thread's allocations go to a
     private pool (as while Inductor's CUDA graph trees warm up), come from the ordinary pool:
     the counters are kept across calls, and the trees raise on a live block of their pool that
     is not one of their outputs."""
+    monkeypatch.setattr(moe, "_sync", {})  # no stream has counters yet (torch pools its streams)
     x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
     pool = torch.cuda.MemPool()
-    stream = torch.cuda.Stream()  # one that has no counters yet
+    stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
         control = torch.empty(1024, device="cuda")
         counters = moe._sync_buffer(x)
