@@ -133,6 +133,16 @@ def test_odd_shapes_bf16(fn, T, E, H, I, k, act, kw):
     _check(fn, T, E, H, I, k, torch.bfloat16, act, **kw)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.float32, 1e-4)], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("quantized", [True, False], ids=["mxfp4", "float"])
+@pytest.mark.parametrize("T", [1, 64, 300])
+@pytest.mark.parametrize("fn", [moe.fused_moe, _unfused], ids=["fused", "unfused"])
+def test_float16_and_float32_activations_at_model_size(fn, T, quantized, dtype, tol):
+    """float16 and float32 models at gpt-oss's sizes (the portable kernel: the Hopper kernels
+    take bfloat16 only); float32 operands multiply in IEEE float32, not TF32."""
+    _check(fn, T, 8, 2880, 2880, 4, dtype, GPT_OSS, tol=tol, quantized=quantized)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
 def test_activation_quant_equals_emulation(fmt):
     aq = ActivationQuant(fmt, "even")
