@@ -1,6 +1,7 @@
-"""The Triton MoE kernels on a CUDA/ROCm device: bfloat16, model-sized and odd shapes,
-activation quantization against emulation, CUDA graphs, no host synchronisation,
-determinism, and NaN-poisoned padding around every input."""
+"""The Triton MoE kernels on a CUDA/ROCm device: bfloat16 at model-sized and odd shapes (float16
+and float32 at model size), activation quantization against emulation, CUDA graphs, no host
+synchronisation, determinism, inputs on a GPU that is not the current one, and NaN-poisoned
+padding around every input."""
 from __future__ import annotations
 
 import pytest
