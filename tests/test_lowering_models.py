@@ -474,3 +474,122 @@ def test_no_backend_leaves_the_layer_and_says_why(monkeypatch):
     assert moe_calls(code) == 0 and "grouped_mm" in code
     (skip,) = [r for r in lowering.report() if r.form == "grouped_mm"]
     assert not skip.rewritten and "simulated refusal" in skip.reason
+
+
+# ----------------------------------------------------------------------------- left alone, said why
+
+
+def nemotron_h_block():
+    """ReLU² MLP experts (no gate) and a shared expert, as Nemotron-H writes them."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    cfg = NemotronHConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
+                          n_shared_experts=1, moe_shared_expert_intermediate_size=I,
+                          experts_implementation="grouped_mm")
+    return randomize(NemotronHMoE(cfg))
+
+
+def geglu_block(impl: str):
+    """Qwen3-MoE experts gated by GELU (tanh), not SiLU."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                         experts_implementation=impl, hidden_act="gelu_pytorch_tanh")
+    return randomize(Qwen3MoeSparseMoeBlock(cfg))
+
+
+@pytest.mark.parametrize("build, form, ops", [
+    (nemotron_h_block, "grouped_mm", "pow, relu"),
+    (lambda: geglu_block("grouped_mm"), "grouped_mm", "tanh"),
+    (lambda: geglu_block("batched_mm"), "gathered_bmm", "tanh"),
+])
+def test_experts_mxfx_cannot_compute_are_left_and_reported(build, form, ops):
+    """Experts whose activation is not gated SwiGLU keep their GEMMs, and the report says so,
+    naming the ops between the GEMMs."""
+    ref, out, code = compiled(build(), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert moe_calls(code) == 0
+    (left,) = [r for r in lowering.report() if r.form == form]
+    assert not left.rewritten and left.detail == f"2 expert GEMMs, E={E}"
+    assert "no gated activation mxfx knows" in left.reason and ops in left.reason
+
+
+class MaxOverSlots(nn.Module):
+    """SiLU-and-mul experts on gathered weights whose slots are combined by a max, not a sum:
+    no form matches (mxfx.moe sums the slots)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.randn(E, 2 * I, H) / H**0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) / I**0.5)
+
+    def forward(self, x, ids, weights):
+        flat = ids.reshape(-1)
+        h = torch.bmm(self.w13[flat], x.repeat_interleave(K, 0)[..., None]).squeeze(-1)
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = torch.bmm(self.w2[flat], a[..., None]).squeeze(-1)
+        return (y * weights.reshape(-1, 1)).view(-1, K, H).amax(1)
+
+
+def test_gated_experts_in_an_unknown_form_are_reported():
+    x = hidden(6)[0]
+    ids = torch.randint(0, E, (6, K), generator=torch.Generator().manual_seed(4))
+    ref, out, code = compiled(MaxOverSlots().eval(), x, ids, torch.rand(6, K))
+    assert rel_err(out, ref) < 1e-5 and moe_calls(code) == 0
+    (left,) = [r for r in lowering.report() if r.form == "gathered_bmm"]
+    assert not left.rewritten and "not written in a form mxfx rewrites" in left.reason
+
+
+def _relu2_layer(x, ids, w1, w2, scale):
+    h = torch.bmm(x[:, None], w1[ids]).squeeze(1).relu() ** 2
+    return torch.bmm(h[:, None], w2[ids]).squeeze(1) * scale
+
+
+def _relu2_backward(x, ids, w1, w2, tangents_1):
+    return _relu2_layer(x, ids, w1, w2, tangents_1)
+
+
+def _one_gemm(x, ids, w1, w2, scale):
+    return torch.bmm(x[:, None], w1[ids]).squeeze(1) * scale[:, :I]
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (_relu2_layer, "the ops there: pow, relu"),
+    (_one_gemm, "one expert GEMM alone"),
+    (_relu2_backward, None),
+])
+def test_leftover_expert_gemms_of_a_graph(fn, reason):
+    """Expert GEMMs on gathered weights are recorded with the reason; a graph with
+    AOTAutograd's gradient inputs (``tangents_*``) is not: its GEMMs are gradients, which mxfx
+    does not replace, so recording them would only be noise."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mxfx.lowering import leftover
+
+    args = (torch.randn(6, H), torch.randint(0, E, (6,)), torch.randn(E, H, I), torch.randn(E, I, H),
+            torch.randn(6, H))
+    graph = make_fx(fn, tracing_mode="fake")(*args).graph
+    lowering.clear()
+    leftover.record(graph, [])
+    left = lowering.report()
+    assert len(left) == (reason is not None)
+    assert all(r.form == "gathered_bmm" and not r.rewritten and reason in r.reason for r in left)
+
+
+def test_survey_tool_reports_each_family():
+    """``tools/survey_models.py`` (the README's family list): a rewritten family's row counts
+    one ``mxfx.moe`` per experts module; a family mxfx cannot compute gets the reason."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "survey_models.py"
+    run = subprocess.run([sys.executable, str(tool), "qwen2_moe", "nemotron_h"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    qwen, nemotron = run.stdout.splitlines()
+    assert qwen.split()[:5] == ["qwen2_moe", "experts", "2", "mxfx.moe", "2"] and float(qwen.split()[6]) < 1e-5
+    assert nemotron.split()[:5] == ["nemotron_h", "experts", "1", "mxfx.moe", "0"]
+    assert "left: no gated activation mxfx knows" in nemotron

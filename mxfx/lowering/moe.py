@@ -39,6 +39,9 @@ from mxfx.ops import ACTIVATION_QUANTS
 
 mxfx_ops = torch.ops.mxfx
 
+# Set in the meta of a matched layer's output that was left alone, its reason recorded.
+REPORTED = "mxfx_reported"
+
 # (fmt, scale_rounding) of a quantize-dequantize pair on a GEMM input, or None.
 QDQ = Optional[tuple[str, str]]
 
@@ -334,5 +337,6 @@ def _build_w13(graph: Graph, w13) -> tuple[Node, Optional[Node]]:
 
 
 def _skip(m: Match, detail: str, reason: str) -> bool:
+    m.out.meta[REPORTED] = True
     report.add(report.Record(m.form, False, detail, reason=reason))
     return False

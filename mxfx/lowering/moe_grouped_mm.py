@@ -24,7 +24,7 @@ from mxfx.lowering.fx import (
 FORM = "grouped_mm"
 
 
-def _grouped_mm_ops() -> tuple:
+def grouped_mm_ops() -> tuple:
     ops = [aten._grouped_mm]
     fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
     return (*ops, fallback) if fallback is not None else tuple(ops)
@@ -68,7 +68,7 @@ def _bias(node: Node, sort: Node) -> tuple[Node, Optional[Node]]:
 
 
 def match(ga: Node) -> Optional[moe.Match]:
-    gmm = _grouped_mm_ops()
+    gmm = grouped_mm_ops()
     up = strip_converts(ga.args[0])
     # The sort is known only from the GEMM input; find the GEMM through fills first.
     probe = up

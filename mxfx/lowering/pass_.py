@@ -18,7 +18,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mxfx import backends
-from mxfx.lowering import activation, moe, moe_batched_mm, moe_dense_bmm, moe_gather_einsum, moe_grouped_mm
+from mxfx.lowering import activation, leftover, moe, moe_batched_mm, moe_dense_bmm, moe_gather_einsum, moe_grouped_mm
 from mxfx.oracle import Platform, settings
 
 _OPTION = "post_grad_custom_post_pass"
@@ -57,6 +57,7 @@ class LoweringPass(CustomGraphPass):
         if len(graph.nodes) != before:  # every rewrite inserts nodes; drop what it orphaned
             graph.eliminate_dead_code()
             graph.lint()
+        leftover.record(graph, separate)
 
     def uuid(self) -> Any:
         return (

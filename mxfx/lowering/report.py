@@ -19,8 +19,9 @@ class Record:
 
     Attributes:
         form: ``"gated_activation"``, the MoE form (``"grouped_mm"``, ``"batched_mm"``,
-            ``"dense_bmm"``, ``"gather_einsum"``), or ``"pinned"`` (an ``mxfx.moe`` call the
-            model made itself with ``backend="auto"``, given the oracle's backend).
+            ``"dense_bmm"``, ``"gather_einsum"``), ``"gathered_bmm"`` (expert GEMMs on weights
+            gathered by routing ids that no form matched), or ``"pinned"`` (an ``mxfx.moe``
+            call the model made itself with ``backend="auto"``, given the oracle's backend).
         rewritten: True if the subgraph now calls an ``mxfx`` op.
         detail: the layer (MoE: E, H, I, top-k, activation, weight and activation quantization;
             activation: its parameters).
