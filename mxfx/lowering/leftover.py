@@ -47,8 +47,9 @@ def record(graph: Graph, separate: Iterable[Gated]) -> None:
 
 def _layers(graph: Graph) -> list[tuple[str, list[Node]]]:
     layers: dict[Node, tuple[str, list[Node]]] = {}
+    gmm = grouped_mm_ops()
     for node in graph.nodes:
-        offs = arg(node, 2, "offs") if is_op(node, *grouped_mm_ops()) else None
+        offs = arg(node, 2, "offs") if is_op(node, *gmm) else None
         if offs is not None and len(shape(node.args[1]) or ()) == 3:
             layers.setdefault(offs, ("grouped_mm", []))[1].append(node)
         elif is_op(node, aten.bmm):
