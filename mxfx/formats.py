@@ -117,10 +117,12 @@ def _encode_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_e2m1(code: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(
-        E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=code.device
-    )
-    return table[code.long()]
+    """uint8 E2M1 codes → float32 values, from the bits: a lookup table would be a host-to-device
+    copy, which a CUDA graph capture (a compiled model's dequantizing weights) refuses."""
+    e = ((code >> 1) & 3).to(torch.float32)
+    m = (code & 1).to(torch.float32)
+    mag = torch.where(e > 0, 2 + m, 2 * m) * torch.exp2(e - 2)  # subnormal at e = 0: m / 2
+    return torch.where((code & 8) != 0, -mag, mag)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

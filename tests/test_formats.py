@@ -139,6 +139,21 @@ def test_all_e2m1_codes_decode_and_reencode(exp, mx_ref_dequantize):
         assert torch.equal(p, packed) and torch.equal(s, scales), rounding
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_makes_no_tensor_from_host_data(fmt, monkeypatch):
+    """A compiled model's dequantizing weights run inside CUDA graph captures, which refuse the
+    host-to-device copy of a tensor built from Python data (a lookup table, say)."""
+    packed, scales = formats.quantize(torch.randn(4, 64, generator=torch.Generator().manual_seed(3)), fmt)
+    want = formats.dequantize(packed, scales, fmt)
+
+    def host_data(*args, **kwargs):
+        raise AssertionError("a tensor built from host data")
+
+    monkeypatch.setattr(torch, "tensor", host_data)
+    monkeypatch.setattr(torch, "as_tensor", host_data)
+    assert torch.equal(formats.dequantize(packed, scales, fmt), want)
+
+
 def test_every_scale_byte_decodes(mx_ref_dequantize):
     for fmt in FMTS:
         g = torch.Generator().manual_seed(1)

@@ -101,6 +101,21 @@ def test_generate_with_a_static_cache_under_cuda_graphs(device, backend):
 
 
 @CUDA
+def test_mxfp4_model_compiled_without_mxfx_under_cuda_graphs():
+    """``mxfx.quantize_``'s experts compiled without mxfx enabled dequantize their weights in
+    the graph (``mxfx.dequantize_mx``), which a CUDA graph capture must accept."""
+    model = build_model("gpt-oss", "cuda", torch.bfloat16)
+    mxfx.quantize_(model)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    batches = [torch.randint(0, model.config.vocab_size, (1, 12), device="cuda", generator=gen) for _ in range(3)]
+    torch._dynamo.reset()
+    with torch.no_grad(), _no_compile_caches():
+        compiled = torch.compile(model, mode="reduce-overhead")
+        for b in batches:
+            assert _rel(compiled(b).logits, model(b).logits) < 3e-2
+
+
+@CUDA
 def test_eager_counters_stay_out_of_the_private_pool_the_thread_allocates_to(monkeypatch):
     """``moe._sync_buffer``'s counters, first asked for while this thread's allocations go to a
     private pool (as while Inductor's CUDA graph trees warm up), come from the ordinary pool:
