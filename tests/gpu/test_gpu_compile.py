@@ -65,8 +65,8 @@ def test_generate_with_a_static_cache_under_cuda_graphs(device, backend):
     (the decode step only, under CUDA graphs), the first decode step's logits as eager's. Every
     compile runs the backend. Where we compile the prefill, the cache is allocated before
     ``generate`` (``early_initialization``, as transformers asks for a compiled prefill): left to
-    its lazy allocation inside the first CUDA graph, its tensors are graph outputs, and torch 2.11
-    crashes (SIGSEGV in an Inductor kernel launch) with or without mxfx, float model too."""
+    allocate itself inside the compiled prefill under CUDA graphs, it crashes torch 2.11 (SIGSEGV
+    in an Inductor kernel launch) with or without mxfx, float model too (session 49)."""
     from transformers import CompileConfig, StaticCache
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
