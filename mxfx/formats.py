@@ -54,7 +54,7 @@ FORMATS: dict[str, ElementFormat] = {
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes. A tie rounds up only when the upper code is
 # even (round half to even on the code), i.e. at the midpoints with odd index.
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
 
 
 def element_format(fmt: str) -> ElementFormat:
