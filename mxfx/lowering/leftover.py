@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 
 from mxfx.lowering import moe, report
 from mxfx.lowering.activation import Gated
-from mxfx.lowering.fx import aten, arg, is_op, packet, prims, shape
+from mxfx.lowering.fx import aten, arg, is_op, packet, prims, shape, skip
 from mxfx.lowering.moe_grouped_mm import grouped_mm_ops
 
 _VIEWS = (
@@ -61,8 +61,7 @@ def _layers(graph: Graph) -> list[tuple[str, list[Node]]]:
 
 def _gathered(node) -> Optional[Node]:
     """``W[ids]`` (3-D ``W``, one index tensor) under views, or None."""
-    while is_op(node, *_VIEWS):
-        node = node.args[0]
+    node = skip(node, lambda n: is_op(n, *_VIEWS))
     if is_op(node, aten.index) and len(node.args[1]) == 1 and len(shape(node.args[0]) or ()) == 3:
         return node
     return None
