@@ -80,7 +80,7 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     1451-1554 -> 1379-1418, T=2048 1463-1468 -> 1618-1706), past that in 160-row blocks
     (T=4096 ~2950 -> 2049 against 128-row blocks in the portable kernel). Elsewhere, 32-row
     blocks, then 128-row blocks with one MMA per K step. ``hidden``: H, which sets GEMM2's grid;
-    ``intermediate``: I (default H), which sets GEMM1's."""
+    ``intermediate``: I (default H), which sets GEMM1's grid and GEMM2's K range."""
     rows = num_pairs / num_experts
     # On per-pair blocks (see _route) the activation row waits in shared memory, not in
     # registers (96 registers at 4 steps ahead, 80 at 3, against 124 with 2 steps and the
@@ -90,7 +90,8 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     # 47.8-47.9 / 48.6-49.6, T=4 88.0-88.7 / 80.2-80.5 / 82.7-84.0; MiniMax-M3 T=1 51.3-51.8 /
     # 53.8-54.6 / 48.6-48.8, T=2 94.1-94.3 / 85.0-85.7 / 86.5-86.6; Qwen3-30B-A3B T=1 17.5-17.9 /
     # 18.4-18.5 / 17.3-17.7. (A GEMM1 whose K loop runs in two warpgroups takes 3: _halves.)
-    x_row_stages = 4 if num_pairs * cdiv(hidden if intermediate is None else intermediate, 32) <= 512 else 3
+    inter = hidden if intermediate is None else intermediate
+    x_row_stages = 4 if num_pairs * cdiv(inter, 32) <= 512 else 3
     if hopper and warp_specialized and rows > SYNC_MAX_ROWS:
         block_m = (moe_sm90_ws.TINY_BLOCK_M.value if rows <= WS_TINY_ROWS else
                    moe_sm90_ws.SMALL_BLOCK_M if rows <= WS_SMALL_ROWS else moe_sm90_ws.BLOCK_M)
@@ -98,13 +99,19 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is small, so its K range
         # is split (portable kernel, T=1: 45.3 -> 42.7 µs in two). On Hopper, in four where the
-        # grid is at most 192 programs, about 1.5 per SM, else not at all; H200, graph µs, split
-        # 1 / 2 / 4: gpt-oss-120b T=1 (180 programs) 34.5-35.9 / 35.3-35.9 / 33.8-33.9, T=2
-        # (360) 53.5 / 55.2 / 55.2; Mixtral-8x7B T=1 (128) 97.7 / 118.2 / 79.7; Qwen3-30B-A3B
-        # T=1 (256) 17.5 / 18.3 / 19.2; MiniMax-M3 T=1 (384) 54.6 / 57.3 / 57.1.
+        # grid is at most 192 programs, about 1.5 per SM, or, where each program's K range is
+        # long (I ≥ 8192: 64 steps or more), at most 400, else not at all. Graph µs, split 1 /
+        # 2 / 4 (programs: experts expected among the pairs × H/64), H200: gpt-oss-120b T=1
+        # (178) 34.5-35.9 / 35.3-35.9 / 33.8-33.9, T=2 (350) 53.5 / 55.2 / 55.2; Mixtral-8x7B
+        # T=1 (120) 97.7 / 118.2 / 79.7; Qwen3-30B-A3B T=1 (249) 17.5 / 18.3 / 19.2; MiniMax-M3
+        # T=1 (380) 54.6 / 57.3 / 57.1. H100 (session 50), Mixtral-8x7B (I=14336): T=2 (212)
+        # 160.5 / 134.3 / 136.8, T=3 (282) 194.9 / 184.2 / 179.7, T=4 (336) 207.3 / 201.7 /
+        # 196.1, T=5 (377) 237.4 / 238.5 / 236.0, T=6 (409) 243.9 / 245.5 / 244.4, T=8 (452)
+        # 246.6 / 248.2 / 249.8.
         if hopper:
-            grid2 = min(num_pairs, num_experts) * cdiv(hidden, moe_sm90.BLOCK_N2)
-            return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=4 if grid2 <= 192 else 1, sm90=True,
+            grid2 = (num_pairs - expected_repeats(num_pairs, num_experts)) * cdiv(hidden, moe_sm90.BLOCK_N2)
+            split_k2 = 4 if grid2 <= 192 or (inter >= 8192 and grid2 <= 400) else 1
+            return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=split_k2, sm90=True,
                               sync_mma=True, x_row_stages=x_row_stages)
         return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)
     if rows <= SYNC_MAX_ROWS:

@@ -405,6 +405,28 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     assert not gemms  # per pair: both GEMMs in one launch
 
 
+def test_grouped_blocks_split_a_long_gemm2_k_range(monkeypatch):
+    """A few pairs with a long GEMM2 K range (I ≥ 8192, as Mixtral-8x7B's 14336) and a grid of
+    more than 192 programs: grouped 8-row mma.sync blocks with GEMM2's K range in four, whose
+    partials the k-sum adds; fused and unfused, A16 and A8, all match emulation."""
+    from mxfx.kernels import moe_sm90
+
+    if not moe_sm90.runs_on(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+    for replayer in (moe._FUSED, moe._UNFUSED):
+        monkeypatch.setattr(replayer, "_plans", {})
+    monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)
+    T, E, H, I, k = 3, 8, 4096, 8192, 2  # 6 pairs: 4.4 experts expected × 64 column tiles
+    gemms, sums = spy(monkeypatch, moe_sm90.GEMM_SM90), spy(monkeypatch, moe_portable.SUM_SLOTS)
+    for fn, aq, tol in ((moe.fused_moe, ActivationQuant(), 5e-3), (unfused, ActivationQuant(), 5e-3),
+                        (moe.fused_moe, ActivationQuant("mxfp8", "even"), 1e-2)):
+        gemms.clear()
+        sums.clear()
+        check(fn, T, E, H, I, k, torch.bfloat16, SILU_AND_MUL, aq=aq, tol=tol)
+        assert [(m["PER_PAIR_E"], m["SYNC_MMA"], m["SPLIT_K"]) for m in gemms] == [(0, True, 1), (0, True, 4)]
+        assert [m["SPLIT_K"] for m in sums] == [4]
+
+
 @pytest.mark.parametrize("path", ["per pair, one launch", "per pair, graph", "8-row blocks", "ws 32-row blocks",
                                   "ws 64-row blocks", "ws 160-row blocks"])
 def test_scales_over_128_are_exact(monkeypatch, path):
