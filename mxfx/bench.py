@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import re
 import statistics
 import subprocess
 import time
@@ -285,6 +286,13 @@ def _time_call(call, sets, device: torch.device, graph: bool, quick: bool) -> tu
 # ---------------------------------------------------------------------------- driver
 
 
+def device_slug(device_name: str) -> str:
+    """The plot's file-name part for a GPU: its name, vendor dropped, lowercase, runs of other
+    characters as one "_" ("NVIDIA H100 80GB HBM3" -> "h100_80gb_hbm3", "NVIDIA H200" -> "h200")."""
+    name = re.sub(r"^(nvidia|amd)\s+", "", device_name.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+
+
 def _refusal(name: str, config: MoEConfig, device: torch.device) -> Optional[str]:
     """Why backend ``name`` cannot run ``config`` here (the oracle's reason), or None."""
     if name == BASELINE:
@@ -518,7 +526,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not rows:
         return 1
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_moe_" + ("quick" if a.quick else device_name.split()[-1].lower())
+    stem = "bench_moe_" + ("quick" if a.quick else device_slug(device_name))
     write_plot(rows, a.out / f"{stem}.png", f"mxfx MoE bench, {device_name}, rev {rev}")
     append_perf_log(rows, a.out / "PERF_LOG.md", rev, device_name)
     print(f"wrote {a.out / f'{stem}.png'} and appended {len(rows)} rows to {a.out / 'PERF_LOG.md'}")

@@ -123,3 +123,11 @@ def test_rejects_unknown_names(tmp_path):
     for bad in (["--model", "gpt-5"], ["--backend", "cutlass"], ["--act-quant", "mxfp6"], ["--routing", "zipf"]):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--out", str(tmp_path), *bad])
+
+
+@pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_80gb_hbm3"),
+                                       ("AMD Instinct MI300X", "instinct_mi300x"),
+                                       ("NVIDIA GeForce RTX 4090", "geforce_rtx_4090")])
+def test_plot_file_names_the_whole_device(name, slug):
+    """The plot's file says which GPU: the last word alone named an H100's plot "hbm3"."""
+    assert bench.device_slug(name) == slug
