@@ -52,6 +52,7 @@ QUICK_T = (1, 8, 64)
 # gpt-oss-120b shape, measured on an H200 (issue 4): T -> µs.
 TRITON_KERNELS_US = {1: 66.1, 8: 178.9, 64: 599.0, 512: 927.0, 4096: 2294.0}
 TRITON_KERNELS_MODEL = "gpt-oss-120b"
+TRITON_KERNELS_GPU = "H200"
 QUICK_SHAPES = {"tiny": MoEConfig(4, 64, 96, 2, "interleaved", 1.702, 1.0, 7.0, has_bias=True)}
 ROUTINGS = ("random", "balanced")
 _ROUTING_SETS = 8  # × the experts one set touches: well past the 60 MB L2 of an H200
@@ -83,6 +84,7 @@ class Row:
     roofline_us: float
     rel_err: Optional[float]  # ‖out − emulation‖ / ‖emulation‖ on the first routing set
     routing: str = "random"  # see ROUTINGS
+    device: str = "cpu"  # the GPU's name (device_name) it ran on
 
     @property
     def mode_text(self) -> str:
@@ -286,10 +288,15 @@ def _time_call(call, sets, device: torch.device, graph: bool, quick: bool) -> tu
 # ---------------------------------------------------------------------------- driver
 
 
-def device_slug(device_name: str) -> str:
+def device_name(device: torch.device) -> str:
+    """The GPU's name as CUDA/ROCm reports it ("NVIDIA H200"), or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def device_slug(gpu: str) -> str:
     """The plot's file-name part for a GPU: its name, vendor dropped, lowercase, runs of other
     characters as one "_" ("NVIDIA H100 80GB HBM3" -> "h100_80gb_hbm3", "NVIDIA H200" -> "h200")."""
-    name = re.sub(r"^(nvidia|amd)\s+", "", device_name.strip().lower())
+    name = re.sub(r"^(nvidia|amd)\s+", "", gpu.strip().lower())
     return re.sub(r"[^a-z0-9]+", "_", name).strip("_")
 
 
@@ -323,6 +330,7 @@ def run(
     if routing not in ROUTINGS:
         raise ValueError(f"routing: got {routing!r}, expected one of {list(ROUTINGS)}")
     gen = torch.Generator(device=device).manual_seed(0)
+    gpu = device_name(device)
     ceilings = measure_ceilings(device, quick)
     log(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.3f} TB/s, "
         f"bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.1f} TFLOP/s")
@@ -367,7 +375,8 @@ def run(
                         skip.add((name, aq))
                         log(f"FAILED {model} {aq} T={T} {name}: {type(e).__name__}: {e}")
                         continue
-                    row = Row(model, T, aq, name, sec * 1e6, mode, eager, bytes_, flops, roof_us, err, routing)
+                    row = Row(model, T, aq, name, sec * 1e6, mode, eager, bytes_, flops, roof_us, err, routing,
+                              gpu)
                     rows.append(row)
                     log(format_row(row))
             del sets
@@ -395,8 +404,10 @@ def format_row(r: Row) -> str:
 
 
 def _triton_kernels_comparable(r: Row) -> bool:
-    """Whether the issue's triton_kernels figures were measured the way ``r`` was."""
-    return r.model == TRITON_KERNELS_MODEL and r.act_quant == "none" and r.routing == "random"
+    """Whether the issue's triton_kernels figures were measured the way ``r`` was, on the same
+    kind of GPU (another GPU's roofline over them would mean nothing)."""
+    return (r.model == TRITON_KERNELS_MODEL and r.act_quant == "none" and r.routing == "random"
+            and TRITON_KERNELS_GPU in r.device.split())
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -448,10 +459,10 @@ _LOG_HEADER = ("# MoE benchmark log\n\nAppended by `python -m mxfx bench` (tools
                "|---|---|---|---|---|---|---|---|---|---|\n")
 
 
-def append_perf_log(rows: Sequence[Row], path: Path, rev: str, device_name: str) -> None:
+def append_perf_log(rows: Sequence[Row], path: Path, rev: str) -> None:
     """Append one line per row to the Markdown table at ``path`` (created with a header)."""
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    lines = [f"| {date} | {rev} | {device_name} | {r.model} | {r.act_quant} | {r.T} | {r.backend} | "
+    lines = [f"| {date} | {rev} | {r.device} | {r.model} | {r.act_quant} | {r.T} | {r.backend} | "
              f"{r.us:.1f} | {r.mode_text} | {r.pct:.1f} |\n" for r in rows]
     new = not path.exists()
     with path.open("a") as f:
@@ -516,9 +527,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         models = {m: shapes[m] for m in (a.model or SHAPES)}
         names = a.backend or [*(b for b in backends.names() if b != "emulation"), BASELINE]
         Ts = a.T or list(DEFAULT_T)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu = device_name(device)
     rev = a.rev or git_revision(repo)
-    print(f"mxfx bench: {device_name}, rev {rev}, torch {torch.__version__}")
+    print(f"mxfx bench: {gpu}, rev {rev}, torch {torch.__version__}")
     _, rows = run(models, Ts, names, a.act_quant, device, quick=a.quick, check=a.check,
                   log=lambda s: print(s, flush=True), routing=a.routing)
     print()
@@ -526,8 +537,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not rows:
         return 1
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_moe_" + ("quick" if a.quick else device_slug(device_name))
-    write_plot(rows, a.out / f"{stem}.png", f"mxfx MoE bench, {device_name}, rev {rev}")
-    append_perf_log(rows, a.out / "PERF_LOG.md", rev, device_name)
+    stem = "bench_moe_" + ("quick" if a.quick else device_slug(gpu))
+    write_plot(rows, a.out / f"{stem}.png", f"mxfx MoE bench, {gpu}, rev {rev}")
+    append_perf_log(rows, a.out / "PERF_LOG.md", rev)
     print(f"wrote {a.out / f'{stem}.png'} and appended {len(rows)} rows to {a.out / 'PERF_LOG.md'}")
     return 0

@@ -131,3 +131,19 @@ def test_rejects_unknown_names(tmp_path):
 def test_plot_file_names_the_whole_device(name, slug):
     """The plot's file says which GPU: the last word alone named an H100's plot "hbm3"."""
     assert bench.device_slug(name) == slug
+
+
+@pytest.mark.parametrize("gpu,shown", [("NVIDIA H200", True), ("NVIDIA H200 NVL", True),
+                                       ("NVIDIA H100 80GB HBM3", False), ("cpu", False)])
+def test_triton_kernels_columns_only_beside_an_h200_run(gpu, shown):
+    """The issue's triton_kernels µs were measured on an H200: beside a gpt-oss-120b row from
+    another GPU, whose roofline differs, the table leaves its columns empty."""
+    row = bench.Row("gpt-oss-120b", 64, "none", "triton", 600.0, "graph", None, 1e9, 1e12, 450.0, None,
+                    device=gpu)
+    cols = bench.format_row(row).split()
+    tk_us, tk_pct = cols[-2:]
+    if shown:
+        assert (float(tk_us), float(tk_pct)) == (bench.TRITON_KERNELS_US[64], round(100 * 450.0 / 599.0))
+    else:
+        assert (tk_us, tk_pct) == ("-", "-")
+    assert cols[3:5] == ["triton", "600.0"]
