@@ -182,7 +182,10 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
     # moe_sm90 spills nothing, its per-pair GEMM2 capped at 80 registers included (moe._gemm).
     sm90 = [row for row in rows if row["kernel"].split()[0] == "_moe_gemm_sm90"]
     assert sm90 and not [row["kernel"] for row in sm90 if row.get("spill_bytes")]
+    # GEMM2's K range in four on per-pair blocks and on grouped 8-row blocks (a few pairs).
     assert any("'PER_PAIR_E': 4" in row["kernel"] and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
+    assert any("'PER_PAIR_E': 0" in row["kernel"] and "'SYNC_MMA': True" in row["kernel"]
+               and "'SPLIT_K': 4" in row["kernel"] for row in sm90)
     # Per-pair GEMM1 in two warpgroups (one token on 132 SMs: moe._halves), at 80 registers,
     # under activation quantization each quantizing its half of x's row.
     assert any("'HALVES': True" in row["kernel"] and "'GATED': True" in row["kernel"] for row in sm90)
@@ -209,6 +212,7 @@ def test_hopper_wgmma_kernels_compile_sound_at_model_sizes(hidden, intermediate,
         ("_moe_gemm_sm90", 1, 1, False), ("_moe_gemm_sm90", 4, 2, True),  # per pair
         ("_qdq_kernel", True, None, False), ("_moe_gemm_sm90", 5, 1, True),  # per pair, x quantized
         ("_count_kernel", True, None, False), ("_place_kernel", True, None, True),  # the chain
+        ("_place_kernel", True, None, False),  # the chain of one routing chunk: the placement first
         ("_dot_order_kernel", True, None, True), ("_moe_gemm_sm90", 3, 0, True), ("_moe_gemm_sm90", 5, 0, True),
         ("_sum_slots", True, None, True)}
     for name, meta, row in pdl:

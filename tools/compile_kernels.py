@@ -136,6 +136,11 @@ def record_launches(target: GPUTarget, H: int = 64, I: int = 96) -> list[tuple]:
         ids = torch.arange(80, dtype=torch.int32).reshape(40, k) % 32
         moe.fused_moe(torch.zeros(40, H, dtype=torch.bfloat16), torch.ones(40, k, dtype=torch.bfloat16), ids,
                       _weights(32, H, I, torch.bfloat16, True), GPT_OSS, ActivationQuant())
+        # A few pairs (6) in grouped 8-row blocks: GEMM2's K range split in four (pick_config;
+        # Mixtral-8x7B at T=2-5), the k-sum adding the parts.
+        ids = torch.arange(6, dtype=torch.int32).reshape(3, k) % E
+        moe.fused_moe(torch.zeros(3, H, dtype=torch.bfloat16), torch.ones(3, k, dtype=torch.bfloat16), ids,
+                      _weights(E, H, I, torch.bfloat16, True), GPT_OSS, ActivationQuant())
         # Routing: one chunk smaller than, one as large as the default, several chunks.
         for pairs in (100, 256, 1000):
             routing.align(torch.zeros(pairs, 1, dtype=torch.int64), 128, 16)
