@@ -40,7 +40,7 @@ import torch
 
 import mxfx.ops  # noqa: F401  (registers torch.ops.mxfx)
 from mxfx import backends, formats
-from mxfx.backends.base import MoEWeights
+from mxfx.moe_call import MoEWeights
 from mxfx.oracle import MoEConfig, Platform, supports
 from mxfx.oracle.shapes import SHAPES
 

@@ -17,7 +17,8 @@ from torch import Tensor
 from mxfx import backends, formats
 from mxfx.activation import GatedActivation, check_activation, join_gate_up, split_gate_up
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, Backend, MoEWeights, expert_id_error, signature
+from mxfx.backends.base import Backend, expert_id_error
+from mxfx.moe_call import ActivationQuant, MoEWeights, signature
 from mxfx.oracle import MoEConfig, Platform, select
 from mxfx.oracle import settings as oracle_settings
 
@@ -344,7 +345,7 @@ def _resolve_moe(
     """The arguments checked (:func:`check_moe`), and the oracle's backend with the activation
     and the activation quantization it executes.
 
-    Cached per signature (the tensors' :func:`~mxfx.backends.base.signature`, the scalars, the
+    Cached per signature (the tensors' :func:`~mxfx.moe_call.signature`, the scalars, the
     oracle's settings): a repeated call costs the key and one dict lookup.
     """
     try:

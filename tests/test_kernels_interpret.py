@@ -12,7 +12,7 @@ import torch
 from mxfx import formats
 from mxfx.activation import GPT_OSS, SILU_AND_MUL, GatedActivation
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402

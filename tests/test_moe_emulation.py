@@ -204,7 +204,7 @@ def test_activation_quant_changes_the_result():
 def test_expert_id_beyond_E_raises_in_the_backend():
     """The emulation checks the ids itself (on an accelerator the op leaves that to the backend)."""
     from mxfx.backends import emulation
-    from mxfx.backends.base import ActivationQuant, MoEWeights
+    from mxfx.moe_call import ActivationQuant, MoEWeights
 
     E, H, I = 3, 32, 32
     w = MoEWeights(torch.zeros(E, 2 * I, H), None, None, torch.zeros(E, H, I), None, None)

@@ -11,7 +11,8 @@ import mxfx
 from mxfx import backends
 from mxfx.__main__ import main as cli
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights
+from mxfx.backends.base import Backend, Capabilities
+from mxfx.moe_call import ActivationQuant, MoEWeights
 from mxfx.oracle import (
     PRIORITY,
     ActivationQuantKey,

@@ -20,7 +20,7 @@ import torch
 from mxfx import formats
 from mxfx.activation import GPT_OSS
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 triton = pytest.importorskip("triton")
 from mxfx.kernels import moe, mx, sm90_tile  # noqa: E402

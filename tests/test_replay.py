@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("triton")
 
 from mxfx.activation import GPT_OSS  # noqa: E402
-from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import activation, launch, moe, moe_portable  # noqa: E402
 from mxfx.kernels.replay import Replayer  # noqa: E402
+from mxfx.moe_call import ActivationQuant, MoEWeights  # noqa: E402
 
 E, H, I, K = 8, 64, 96, 2
 

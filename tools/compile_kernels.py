@@ -51,8 +51,8 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mxfx.activation import GPT_OSS, SILU_AND_MUL, minimax_m3  # noqa: E402
-from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import activation, launch, moe, moe_sm90, mx, ptx_hints, routing  # noqa: E402
+from mxfx.moe_call import ActivationQuant, MoEWeights  # noqa: E402
 
 DEFAULT_TARGETS = ("cuda:90", "cuda:100", "hip:gfx942", "hip:gfx950")
 _OPTIONS = ("num_warps", "num_stages", "debug")

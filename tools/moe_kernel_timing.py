@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mxfx import bench  # noqa: E402
-from mxfx.backends.base import ActivationQuant  # noqa: E402
 from mxfx.kernels import activation, moe, mx  # noqa: E402
+from mxfx.moe_call import ActivationQuant  # noqa: E402
 from mxfx.oracle.shapes import SHAPES  # noqa: E402
 
 SHAPE = SHAPES["gpt-oss-120b"]

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mxfx.ops  # noqa: E402,F401  (registers torch.ops.mxfx)
 from mxfx import bench  # noqa: E402
-from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import launch, moe, moe_sm90  # noqa: E402
 from mxfx.kernels.replay import Replayer  # noqa: E402
+from mxfx.moe_call import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.oracle.shapes import SHAPES  # noqa: E402
 
 

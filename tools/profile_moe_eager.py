@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mxfx.ops  # noqa: E402  (registers torch.ops.mxfx)
-from mxfx.backends.base import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.kernels import launch, moe, moe_sm90, routing  # noqa: E402
+from mxfx.moe_call import ActivationQuant, MoEWeights  # noqa: E402
 from mxfx.oracle import Platform  # noqa: E402
 from mxfx.oracle.shapes import SHAPES  # noqa: E402
 

@@ -10,7 +10,8 @@ import torch
 
 from mxfx import formats
 from mxfx.activation import GatedActivation, split_gate_up
-from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights, expert_id_error
+from mxfx.backends.base import Backend, Capabilities, expert_id_error
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 
 def gated_activation(x: torch.Tensor, act: GatedActivation) -> torch.Tensor:

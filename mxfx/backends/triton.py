@@ -13,7 +13,8 @@ from typing import Hashable, Optional
 import torch
 
 from mxfx.activation import GatedActivation
-from mxfx.backends.base import ActivationQuant, Backend, Capabilities, MoEWeights
+from mxfx.backends.base import Backend, Capabilities
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 
 class TritonBackend(Backend):

@@ -18,11 +18,11 @@ from typing import Callable, Hashable, NamedTuple, Optional
 import torch
 
 from mxfx.activation import GatedActivation
-from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_portable, moe_sm90, moe_sm90_ws, mx, sm90_tile
 from mxfx.kernels.launch import cdiv, next_power_of_2, num_sms
 from mxfx.kernels.replay import Replayer
 from mxfx.kernels.routing import Routing, align, blocks_pmf, per_pair
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 
 class GemmConfig(NamedTuple):
@@ -423,7 +423,8 @@ def fused_moe(
     the intermediate twice: as GEMM1 stores it, and dot-ordered), and in its blocks of up to 64
     rows 3 int32 words per tile of each GEMM (whether it met a scale over 128). Replayed from a
     launch plan (:mod:`mxfx.kernels.replay`) after the first call with the same signature
-    (``key``, where the caller has one: see :meth:`mxfx.backends.base.Backend.run`).
+    (``key``, where the caller has one, equal exactly for calls of equal
+    :func:`mxfx.moe_call.signature` and equal other arguments).
     """
     w = weights
     sync = _sync_buffer(x) if moe_sm90.runs_on(x.device) else None

@@ -53,9 +53,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from mxfx.backends.base import ActivationQuant
 from mxfx.kernels import mx, sm90_tile as tile, wgmma_guard
 from mxfx.kernels.launch import Launcher, next_power_of_2
+from mxfx.moe_call import ActivationQuant
 
 
 # The K step, and the output columns per program without a gated epilogue (GEMM2).

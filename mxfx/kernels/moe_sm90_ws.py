@@ -71,11 +71,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from mxfx.backends.base import ActivationQuant, MoEWeights
 from mxfx.kernels import moe_sm90, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
 from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, ordered_copy, padded, tables_word, tile_cols,
                                     tile_row, unpack_a, w_layout, weight_rows)
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 # Rows per block: a 128-wide and a 32-wide MMA share each step's unpacked weights, so an
 # expert with up to 160 rows unpacks its weights once. (gpt-oss-120b, H200, 128-row blocks:

@@ -23,8 +23,8 @@ from typing import Callable, Hashable, NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mxfx.backends.base import signature
 from mxfx.kernels import launch
+from mxfx.moe_call import signature
 
 _ALLOCATIONS = {
     torch.ops.aten.empty.memory_format,
@@ -142,7 +142,7 @@ class Replayer:
     where one exists. ``tensors``: the function's tensor inputs (or None), all on one device,
     which the call makes current where it is not; ``static``: its other arguments, hashable.
     ``fn`` must return one newly allocated tensor. The plans are per
-    :func:`~mxfx.backends.base.signature` of ``tensors`` and ``static``, or per ``key``, where
+    :func:`~mxfx.moe_call.signature` of ``tensors`` and ``static``, or per ``key``, where
     the caller has one that is equal exactly when those are."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]) -> None:

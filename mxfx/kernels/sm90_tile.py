@@ -24,9 +24,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mxfx.backends.base import ActivationQuant
 from mxfx.kernels import mx
 from mxfx.kernels.launch import Launcher, cdiv
+from mxfx.moe_call import ActivationQuant
 
 
 def _times_scale(v: str) -> str:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from mxfx import formats
-from mxfx.backends.base import MoEWeights
+from mxfx.moe_call import MoEWeights
 from mxfx.nn.experts import is_experts_module, to_mxfp4
 
 _QUARK_PROJ_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}

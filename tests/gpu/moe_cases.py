@@ -8,7 +8,7 @@ import torch
 
 from mxfx import formats
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 moe = pytest.importorskip("mxfx.kernels.moe")
 activation = pytest.importorskip("mxfx.kernels.activation")

@@ -12,7 +12,7 @@ from moe_cases import check, gen, inputs, moe, poisoned, rel_err, spy, unfused, 
 from mxfx import formats
 from mxfx.activation import GPT_OSS, SILU_AND_MUL, GatedActivation, minimax_m3
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant, MoEWeights
+from mxfx.moe_call import ActivationQuant, MoEWeights
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,7 +12,7 @@ from moe_cases import check, gen, inputs, moe, rel_err, spy, unfused, weights
 from mxfx import formats
 from mxfx.activation import GPT_OSS, SILU_AND_MUL, GatedActivation, minimax_m3
 from mxfx.backends import emulation
-from mxfx.backends.base import ActivationQuant
+from mxfx.moe_call import ActivationQuant
 
 pytestmark = [
     pytest.mark.gpu,
@@ -199,7 +199,7 @@ def test_expert_id_beyond_E_is_a_device_side_assert(ids):
     code = (
         "import torch, mxfx\n"
         "from mxfx.activation import GPT_OSS\n"
-        "from mxfx.backends.base import ActivationQuant, MoEWeights\n"
+        "from mxfx.moe_call import ActivationQuant, MoEWeights\n"
         "from mxfx.kernels import moe\n"
         "E, H, I = 4, 64, 64\n"
         "w = MoEWeights(torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8, device='cuda'),\n"
