@@ -488,7 +488,7 @@ def test_grouped_mma_sync_blocks_read_their_activations_paired(monkeypatch):
     (launches recorded)."""
     import dataclasses
 
-    from mxfx.kernels import launch, moe, moe_sm90
+    from mxfx.kernels import launch, moe, moe_sm90, moe_sm90_loops
     from mxfx.kernels.activation import gated_activation
 
     launched = []
@@ -509,7 +509,7 @@ def test_grouped_mma_sync_blocks_read_their_activations_paired(monkeypatch):
         return [(name, meta.get("X_ORDER"), meta.get("PAIRED_OUT"), meta.get("FMT"), meta.get("PDL"))
                 for name, meta in launched if name not in ("_count_kernel", "_place_kernel")]
 
-    paired, natural = moe_sm90.ORDER_PAIRED.value, moe_sm90.ORDER_NATURAL.value
+    paired, natural = moe_sm90_loops.ORDER_PAIRED.value, moe_sm90_loops.ORDER_NATURAL.value
     chain1 = moe_sm90.PDL_WAIT_FIRST.value | moe_sm90.PDL_TRIGGER.value
     chain2 = moe_sm90.PDL_WAIT_LOADS.value | moe_sm90.PDL_TRIGGER.value
     monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)  # T=3 on grouped 8-row blocks, not per pair

@@ -18,7 +18,7 @@ from typing import Callable, Hashable, NamedTuple, Optional
 import torch
 
 from mxfx.activation import GatedActivation
-from mxfx.kernels import moe_portable, moe_sm90, moe_sm90_ws, mx, sm90_tile
+from mxfx.kernels import moe_portable, moe_sm90, moe_sm90_loops, moe_sm90_ws, mx, sm90_tile
 from mxfx.kernels.launch import cdiv, next_power_of_2, num_sms
 from mxfx.kernels.replay import Replayer
 from mxfx.kernels.routing import Routing, align, blocks_pmf, per_pair
@@ -202,7 +202,7 @@ def _gemm(
         # Per-pair blocks (routing.per_pair): the GEMM checks the ids, with its asserts on (and
         # no overflow checks).
         per_pair = dict(PER_PAIR_E=routing.per_pair_experts, COUNTERS=0, TOPK=1, XROW=0, HALVES=False,
-                        X_ORDER=(moe_sm90.ORDER_PAIRED if paired else moe_sm90.ORDER_NATURAL).value,
+                        X_ORDER=(moe_sm90_loops.ORDER_PAIRED if paired else moe_sm90_loops.ORDER_NATURAL).value,
                         PAIRED_OUT=paired and gated, X_QDQ=x_qdq)
         if routing.per_pair_experts:
             per_pair.update(debug=True, sanitize_overflow=False, XROW=cfg.x_row_stages)
@@ -294,7 +294,7 @@ def _gemm1_quantizes_x(programs: int, hidden: int, device: torch.device) -> bool
 def _pdl_gemm2(programs: int, steps: int, device: torch.device) -> bool:
     """Whether a per-pair GEMM2 of ``programs`` programs of ``steps`` K steps each is launched by
     PDL (programmatic dependent launch): its programs then start while GEMM1 runs, issue their
-    first weight loads and wait for GEMM1 (``moe_sm90._PREVIOUS_GRID``). Taken where the
+    first weight loads and wait for GEMM1 (``moe_sm90_loops.PREVIOUS_GRID``). Taken where the
     programs are short (at most 8 steps) or more than 4 per SM: the programs that start early
     take the SMs GEMM1 leaves room on, and a few long programs per SM then end unevenly. H200,
     graph µs, min-max of 2 alternating processes (two runs), two launches / PDL for

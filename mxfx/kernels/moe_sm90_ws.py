@@ -71,7 +71,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from mxfx.kernels import moe_sm90, ptx_hints, wgmma_guard
+from mxfx.kernels import moe_sm90_loops, ptx_hints, wgmma_guard
 from mxfx.kernels.launch import Launcher, cdiv, num_sms
 from mxfx.kernels.sm90_tile import (SMALL_SCALES_MAX, epilogue, log2, ordered_copy, padded, tables_word, tile_cols,
                                     tile_row, unpack_a, w_layout, weight_rows)
@@ -562,7 +562,7 @@ def _redo(gemm, num_tiles, flags_ptr, K: gl.constexpr, A_ROW_DIV: gl.constexpr, 
     tile-consumer pairs whose weights met a scale over 128 (``flags_ptr``: a word per tile and
     consumer, written for every tile with rows) is computed again, 64 weight rows by 8
     activation rows at a time, by mma.sync and the unpack exact for every scale
-    (``moe_sm90.exact_rows``), from the dot-ordered activations, and stored over the first
+    (``moe_sm90_loops.exact_rows``), from the dot-ordered activations, and stored over the first
     result. The pairs are checked ``CH`` at a time by one load of their words (usually there is
     nothing to do) and walked one by one only where one needs it."""
     (a_ptr, stride_am, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, bias_ptr, stride_be, stride_bn,
@@ -591,9 +591,9 @@ def _redo(gemm, num_tiles, flags_ptr, K: gl.constexpr, A_ROW_DIV: gl.constexpr, 
                         e64 = e.to(gl.int64)
                         pairs_ptr = sorted_ptr + blk * BLOCK_M
                         for r0 in range(0, nrows, 8):
-                            acc = moe_sm90.exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, e64,
-                                                      n1, N, up_offset, a_ptr, stride_am, pairs_ptr + r0, nrows - r0,
-                                                      K, GATED, GATE_STRIDE, A_ROW_DIV)
+                            acc = moe_sm90_loops.exact_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                                                            e64, n1, N, up_offset, a_ptr, stride_am, pairs_ptr + r0,
+                                                            nrows - r0, K, GATED, GATE_STRIDE, A_ROW_DIV)
                             epilogue(acc, 0, nrows - r0, n1, 0, e64, pairs_ptr + r0, bias_ptr, stride_be, stride_bn,
                                      rw_ptr, out_ptr, stride_os, stride_om, N, up_offset, alpha, beta, limit, GATED,
                                      GATE_STRIDE, HAS_LIMIT, HAS_BIAS, ROUTE_WEIGHT, 8, 64, DOT_ORDER_OUT, SPLIT=True)

@@ -101,8 +101,8 @@ UNPACK_SPLIT = gl.constexpr(_SPLIT_BITS + "".join(f"mul.rn.bf16x2 a{i}, a{i}, $2
 # UNPACK_SPLIT with 2^126 and the scale 2^(s-127) in one multiply by 2^(s-1): exact for s <= 128
 # (bf16 has no 2^128), the scales of weights whose 32-blocks stay under 16 in magnitude; for larger
 # scales the outputs are wrong and the caller must redo them by UNPACK_SPLIT (as
-# moe_sm90._k_loops_exact does). Half the mma.sync loop's bf16x2 multiplies (SASS per two K steps
-# of 8-row blocks 474 -> 408 instructions); H200, graph µs, min-max of 2 alternating
+# moe_sm90_loops._k_loops_exact does). Half the mma.sync loop's bf16x2 multiplies (SASS per two
+# K steps of 8-row blocks 474 -> 408 instructions); H200, graph µs, min-max of 2 alternating
 # processes, with the check and the redo: gpt-oss-120b T=8 151.3-151.6 -> 142.5-143.1, T=64
 # 539.4-540.5 -> 512.8-518.7; MiniMax-M3 T=8 313.3-313.4 -> 292.6-300.0; Mixtral-8x7B T=8
 # 244.8-247.7 -> 232.8-233.3; Qwen3-30B-A3B T=32 118.9-120.1 -> 113.8.

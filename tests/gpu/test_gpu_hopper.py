@@ -359,7 +359,7 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     show here: in a CUDA graph replayed on new ids, again and again, the output equals to the bit
     the per-pair blocks' (no routing kernel, the k-sum in GEMM2) on the same ids, and emulation's
     up to rounding."""
-    from mxfx.kernels import moe_sm90, routing, sm90_tile
+    from mxfx.kernels import moe_sm90, moe_sm90_loops, routing, sm90_tile
 
     if not moe_sm90.runs_on(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU")
@@ -378,8 +378,8 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
     # Both GEMMs read paired activations: x's copy, launched by PDL after the routing, and the
     # intermediate as GEMM1 stores it.
     assert [(m["SPLIT"], m["DOT"], m["PDL"], m["launch_pdl"]) for m in pairs] == [(True, False, True, True)]
-    assert [(m["X_ORDER"], m["PAIRED_OUT"]) for m in gemms] == [(moe_sm90.ORDER_PAIRED.value, True),
-                                                               (moe_sm90.ORDER_PAIRED.value, False)]
+    assert [(m["X_ORDER"], m["PAIRED_OUT"]) for m in gemms] == [
+        (moe_sm90_loops.ORDER_PAIRED.value, True), (moe_sm90_loops.ORDER_PAIRED.value, False)]
     assert [(m["PDL"], m["launch_pdl"]) for m in sums] == [(True, True)]
     assert [(m["PDL"], m.get("launch_pdl", False)) for m in places] == [(True, T == 20)]
     assert [m["PDL"] for m in counts] == [True] * (T == 20)
