@@ -60,8 +60,8 @@ class Backend(ABC):
 
         A backend that caches per call signature may take one more argument, ``key`` (a
         hashable, or None): :func:`mxfx.ops.moe` then passes one that is equal for calls whose
-        tensors have equal :func:`mxfx.moe_call.signature` and whose other arguments are equal, and only for
-        those, so that the backend need not build its own."""
+        tensors have equal :func:`mxfx.moe_call.signature` and whose other arguments are equal,
+        and only for those, so that the backend need not build its own."""
 
 
 def expert_id_error(top: int, num_experts: int) -> str:
