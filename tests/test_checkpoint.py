@@ -11,7 +11,7 @@ import mxfx
 from mxfx import formats
 from mxfx.demo import MODELS
 from mxfx.nn import LoadedLayer, empty_parameters, load_mxfp4_checkpoint, to_mxfp4
-from mxfx.nn.checkpoint import quark_activation_quant
+from mxfx.nn.checkpoint import quark_activation_quant, quark_experts
 from mxfx.oracle import NoBackendError, Platform, select
 
 pytest.importorskip("transformers")
@@ -194,3 +194,92 @@ def test_checkpoint_mismatch_is_an_error(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match="quantization_config"):
         load_mxfp4_checkpoint(tiny("mixtral"), tmp_path)
+
+
+def _quark_tensors(bias: bool) -> dict:
+    """Quark's per-expert packed Linears (gate_proj, up_proj, down_proj), with biases or not."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for e in range(E):
+        for name, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            key = f"{PREFIX}.{e}.{name}"
+            w = torch.randn(n, k, generator=g)
+            tensors[f"{key}.weight"], tensors[f"{key}.weight_scale"] = formats.quantize(w, "mxfp4", "even")
+            if bias:
+                tensors[f"{key}.bias"] = torch.randn(n, generator=g)
+    return tensors
+
+
+def test_quark_experts_biases_follow_gate_then_up_and_all_or_none():
+    """Quark's per-expert biases stack as the weights do (gate, then up), and a bias that only
+    some experts have is an error."""
+    tensors = _quark_tensors(bias=True)
+    weights = quark_experts(tensors, PREFIX, E)
+
+    def stacked(name):
+        return torch.stack([tensors[f"{PREFIX}.{e}.{name}.bias"] for e in range(E)])
+
+    assert torch.equal(weights.w13_bias, torch.cat((stacked("gate_proj"), stacked("up_proj")), dim=1))
+    assert torch.equal(weights.w2_bias, stacked("down_proj"))
+    del tensors[f"{PREFIX}.2.up_proj.bias"]
+    with pytest.raises(ValueError, match="present for some experts and not others"):
+        quark_experts(tensors, PREFIX, E)
+
+
+def test_quark_scheme_refuses_static_and_e5m2_activations_and_takes_the_first_pattern():
+    """Static MX activations and fp8_e5m2 ones (mxfp8 is e4m3) are refused, not run as dynamic
+    e4m3; of several matching ``layer_quant_config`` patterns the first decides."""
+    def with_input(input_tensors) -> dict:
+        return {"quant_method": "quark", "global_quant_config": {"weight": W_FP4, "input_tensors": input_tensors}}
+
+    for bad in ({**A_FP8, "is_dynamic": False}, {**A_FP8, "dtype": "fp8_e5m2"}):
+        with pytest.raises(ValueError, match="input_tensors scheme"):
+            quark_activation_quant(with_input(bad), "model.layers.0.mlp.experts.0.gate_proj")
+    config = {
+        **with_input(A_FP4),
+        "layer_quant_config": {
+            "*experts.0.*": {"weight": W_FP4, "input_tensors": A_FP8},
+            "*gate_proj": {"weight": W_FP4, "input_tensors": None},
+        },
+    }
+    assert quark_activation_quant(config, "model.layers.0.mlp.experts.0.gate_proj") == ("mxfp8", "even")
+
+
+def test_quark_layer_config_by_exact_linear_name(tmp_path):
+    """A layer's scheme is looked up by its expert-0 gate Linear's full name, so an exact-name
+    ``layer_quant_config`` entry (as Quark writes them) applies."""
+    override = {f"{PREFIX}.0.gate_proj": {"weight": W_FP4, "input_tensors": None}}
+    write_quark(tmp_path, tiny("qwen3-moe"), ("gate_proj", "up_proj", "down_proj"), A_FP8, override)
+    assert load_mxfp4_checkpoint(tiny("qwen3-moe"), tmp_path) == [LoadedLayer(PREFIX, "quark", "none")]
+
+
+def test_checkpoint_lacking_a_model_tensor_is_an_error(tmp_path):
+    """A checkpoint without one of the model's tensors is an error under ``strict`` (the
+    tensor would keep the value it was built with); ``strict=False`` loads the rest."""
+    write_quark(tmp_path, tiny("mixtral"), ("w1", "w3", "w2"), None)
+    state = dict(safetensors_torch.load_file(str(tmp_path / "model.safetensors")))
+    del state["model.norm.weight"]
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model tensors not in the checkpoint.*model.norm.weight"):
+        load_mxfp4_checkpoint(tiny("mixtral"), tmp_path)
+    target = zeroed(tiny("mixtral"))
+    assert load_mxfp4_checkpoint(target, tmp_path, strict=False) == [LoadedLayer(PREFIX, "quark", "none")]
+    assert torch.equal(target.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                       state["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_gpt_oss_checkpoint_without_the_model_biases_is_an_error():
+    """Experts with biases do not load a gpt-oss checkpoint that lacks them (the biases would
+    keep the values they were built with)."""
+    source = tiny("gpt-oss")
+    experts = source.model.layers[0].mlp.experts
+    state = dict(source.state_dict())
+    for proj in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, proj).detach().transpose(1, 2)
+        packed, scales = formats.quantize(w, "mxfp4", "round_up")
+        n, k = w.shape[1:]
+        del state[f"{PREFIX}.{proj}"], state[f"{PREFIX}.{proj}_bias"]
+        state[f"{PREFIX}.{proj}_blocks"] = packed.reshape(E, n, k // 32, 16)
+        state[f"{PREFIX}.{proj}_scales"] = scales
+    with pytest.raises(ValueError, match="gate_up_proj_bias: the model has this bias but the checkpoint lacks it"):
+        load_mxfp4_checkpoint(tiny("gpt-oss"), state)

@@ -593,3 +593,36 @@ def test_survey_tool_reports_each_family():
     assert qwen.split()[:5] == ["qwen2_moe", "experts", "2", "mxfx.moe", "2"] and float(qwen.split()[6]) < 1e-5
     assert nemotron.split()[:5] == ["nemotron_h", "experts", "1", "mxfx.moe", "0"]
     assert "left: no gated activation mxfx knows" in nemotron
+
+
+class PackedGptFastMoE(GptFastMoE):
+    """gpt-fast's MoE with w1, w3, w2 stored MXFP4 and read through ``mxfx.dequantize_mx``
+    (as mxfx.nn stores experts); w3 is scaled up so gate and up have different scales."""
+
+    def __init__(self):
+        super().__init__()
+        randomize(self)
+        with torch.no_grad():
+            self._parameters["w3"].mul_(8)
+        for name in ("w1", "w2", "w3"):
+            w = self._parameters.pop(name).detach().contiguous()
+            packed, scale = torch.ops.mxfx.quantize_mx(w, "mxfp4", "round_up")
+            self.register_buffer(f"{name}_packed", packed)
+            self.register_buffer(f"{name}_scale", scale)
+
+    def _dequantized(self, name):
+        return torch.ops.mxfx.dequantize_mx(
+            getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), "mxfp4", torch.float32
+        )
+
+    w1 = property(lambda self: self._dequantized("w1"))
+    w2 = property(lambda self: self._dequantized("w2"))
+    w3 = property(lambda self: self._dequantized("w3"))
+
+
+def test_gpt_fast_moe_on_mxfp4_weights():
+    ref, out, code = compiled(PackedGptFastMoE().eval(), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert_rewritten(code, layers=1, form="gather_einsum")
+    assert "dequantize_mx" not in code  # the packed gate and up are concatenated, not dequantized
+    assert "W=mxfp4" in next(r.detail for r in lowering.report() if r.form == "gather_einsum")

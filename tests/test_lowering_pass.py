@@ -321,3 +321,28 @@ def test_uuid_follows_the_source(tmp_path, monkeypatch):
     assert lowering.PASS.uuid() != first
     monkeypatch.undo()
     assert any(f.endswith("lowering/moe_grouped_mm.py") for f in pass_._source_files())
+
+
+def silu_and_mul_minus(x):  # beta written as a subtraction
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * (up - 0.5)
+
+
+def test_activation_beta_written_as_subtraction():
+    """``up - c`` is beta = -c (the spellings above only add)."""
+    text, out, ref = lowered(silu_and_mul_minus, probe())
+    assert close(out, ref)
+    assert "'halves', 1, -0.5, None)" in text and text.count("mxfx.gated_activation") == 1
+
+
+def silu_and_mul_off_by_2e4(x):  # 2e-4 relative off SiLU-and-mul: twice the fp32 tolerance
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * (up * 1.0002)
+
+
+def test_near_miss_activation_stays():
+    """An expression within 2e-4 of the formula is still not the formula: the numerical
+    confirmation leaves it alone (the look-alikes above are all far from it)."""
+    text, out, ref = lowered(silu_and_mul_off_by_2e4, probe())
+    assert close(out, ref)
+    assert text == ""

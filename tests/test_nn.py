@@ -283,3 +283,26 @@ def test_bad_input_is_refused_with_the_argument_named():
     to_mxfp4(module, w13, s13, w2, s2)
     with pytest.raises(TypeError, match="experts protocol"):
         to_mxfp4(module, w13, s13, w2, s2)
+
+
+def test_activation_quantized_layer_uses_its_scale_rounding():
+    """An activation-quantized layer quantizes with its own scale rounding (a Quark "floor"
+    checkpoint is not run with "even" scales)."""
+    torch.manual_seed(0)
+    module = GatherExperts()
+    w13, s13 = formats.quantize(module.gate_up_proj.detach(), "mxfp4", "even")
+    w2, s2 = formats.quantize(module.down_proj.detach(), "mxfp4", "even")
+    b13, b2 = module.gate_up_proj_bias.detach(), module.down_proj_bias.detach()
+    to_mxfp4(module, w13, s13, w2, s2, activation_quant="mxfp8", activation_scale_rounding="floor")
+    x = torch.randn(12, H) * 3
+    ids, w = _routing(12)
+    act = module.mxfx_activation
+
+    def moe(rounding):
+        return torch.ops.mxfx.moe(x, w, ids, w13, s13, b13, w2, s2, b2, act.layout, act.alpha, act.beta,
+                                  act.limit, "mxfp8", "emulation", rounding)
+
+    with torch.no_grad():
+        out, floor, even = module(x, ids, w), moe("floor"), moe("even")
+    assert not torch.equal(floor, even)  # the probe tells the two roundings apart
+    torch.testing.assert_close(out, floor, rtol=0, atol=0)
