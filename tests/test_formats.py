@@ -557,3 +557,17 @@ def test_bit_exact_against_torchao(dtype, fmt, rounding):
     assert torch.equal(packed[mask], ao_data[mask])
     # The comparison covers almost everything: only the planted special blocks are left out.
     assert compare_data.sum() >= compare_data.numel() - 6
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "mxfp8_e5m2"])
+def test_bad_block_elements_are_zero(bad, fmt):
+    """A block holding NaN or Inf gets the NaN scale 0xFF and zero elements, as the kernels'
+    quantizer writes it (its elements mean nothing under that scale)."""
+    x = torch.randn(2, 64)
+    x[0, 40] = bad
+    packed, scales = formats.quantize(x, fmt, "floor")
+    assert scales[0, 1] == 0xFF
+    per_block = 32 // formats.element_format(fmt).per_byte
+    block = packed[0, per_block:].view(torch.uint8)
+    assert (block == 0).all(), block

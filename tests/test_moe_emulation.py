@@ -211,3 +211,22 @@ def test_expert_id_beyond_E_raises_in_the_backend():
     ids = torch.tensor([[0, 3]])
     with pytest.raises(ValueError, match="expert id 3 out of range"):
         emulation.moe(torch.ones(1, H), torch.ones(1, 2), ids, w, GatedActivation(), ActivationQuant())
+
+
+def test_float64_input_is_computed_in_float64():
+    """float64 calls are the reference: accumulated in float64, not float32."""
+    g = torch.Generator().manual_seed(3)
+    E, H, I, T = 2, 64, 32, 3
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    w13 = torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g, dtype=torch.float64) / I**0.5
+    ids = torch.tensor([[0], [1], [0]])
+    tw = torch.ones(T, 1, dtype=torch.float64)
+    out = torch.ops.mxfx.moe(x, tw, ids, w13, None, None, w2, None, None, backend="emulation")
+    want = torch.stack([
+        (torch.nn.functional.silu(g_) * u) @ w2[e].T
+        for t, e in enumerate(ids[:, 0].tolist())
+        for g_, u in [(x[t] @ w13[e].T).chunk(2)]
+    ])
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

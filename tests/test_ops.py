@@ -3,6 +3,7 @@ in eager mode and under torch.compile(fullgraph=True)."""
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import mxfx  # noqa: F401  (registers torch.ops.mxfx)
 from mxfx import formats
 from mxfx.activation import PRESETS
+from mxfx.backends import emulation
+from mxfx.moe_call import ActivationQuant
 
 ops = torch.ops.mxfx
 _ALL_BUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -301,6 +304,12 @@ def _float_i40() -> dict:
     return args
 
 
+def _w13_float_w2_mxfp4() -> dict:
+    args = _bad_moe()
+    args["w2"], args["w2_scale"] = formats.quantize(torch.randn(4, 64, 32), "mxfp4")
+    return args
+
+
 # (case id, moe arguments, exception type, the argument its message must name)
 MOE_ERRORS = [
     ("x_int_dtype", lambda: _bad_moe(x=torch.ones(3, 64, dtype=torch.int32)), TypeError, "x"),
@@ -311,6 +320,15 @@ MOE_ERRORS = [
     ("w2_hidden_mismatch", lambda: _bad_moe(w2=torch.randn(4, 96, 32)), ValueError, "w2"),
     ("w2_intermediate_mismatch", lambda: _bad_moe(w2=torch.randn(4, 64, 16)), ValueError, "w2"),
     ("w2_float_w13_mxfp4", lambda: _with_scale(w2=torch.randn(4, 64, 32), w2_scale=None), TypeError, "w2"),
+    ("w13_bias_int_dtype", lambda: _bad_moe(w13_bias=torch.ones(4, 64, dtype=torch.int64)), TypeError, "w13_bias"),
+    ("w2_bias_int_dtype", lambda: _bad_moe(w2_bias=torch.ones(4, 64, dtype=torch.int32)), TypeError, "w2_bias"),
+    ("w13_odd_rows", lambda: _bad_moe(w13=torch.randn(4, 63, 64), w2=torch.randn(4, 64, 31)), ValueError, "w13"),
+    ("w13_no_experts", lambda: _bad_moe(w13=torch.randn(0, 64, 64), w2=torch.randn(0, 64, 32)), ValueError, "w13"),
+    ("w13_float_w2_mxfp4", _w13_float_w2_mxfp4, TypeError, "w2"),
+    ("topk_ids_bool", lambda: _bad_moe(topk_ids=torch.zeros(3, 2, dtype=torch.bool)), TypeError, "topk_ids"),
+    ("act_quant_intermediate_48",
+     lambda: dict(_bad_moe(w13=torch.randn(4, 96, 64), w2=torch.randn(4, 64, 48)), activation_quant="mxfp8"),
+     ValueError, "activation_quant"),
     ("mxfp4_hidden_not_multiple_of_32", _mxfp4_h48, ValueError, "w13"),
     ("act_quant_hidden_not_multiple_of_32",
      lambda: dict(_float_h48(), activation_quant="mxfp8"), ValueError, "activation_quant"),
@@ -471,3 +489,50 @@ def test_moe_more_slots_than_local_experts():
     # would be off by the size of the output itself.
     torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-4)
     assert out[3].abs().max() == 0
+
+
+@pytest.mark.parametrize("name", ["w13", "w2", "topk_ids"])
+def test_moe_rejects_tensors_on_another_device(name):
+    args = _bad_moe()
+    args[name] = args[name].to("meta")
+    pos, kw = _split(args)
+    with pytest.raises(ValueError, match=f"^{name}: on meta, expected x's device cpu"):
+        ops.moe(*pos, **kw)
+
+
+@pytest.mark.parametrize("case,change,exc_type,arg", [
+    ("dtype", lambda a: dict(a, x=a["x"].to(torch.int32)), TypeError, "x"),
+    ("shape", lambda a: dict(a, x=torch.randn(5, 64)), ValueError, "topk_ids"),
+    ("none_slot", lambda a: dict(a, w13_scale=a["w13_bias"], w13_bias=None), ValueError, "w13_scale"),
+], ids=["dtype", "shape", "none_slot"])
+def test_moe_cached_check_is_keyed_on_every_tensor_property(case, change, exc_type, arg):
+    args = _bad_moe(w13_bias=torch.randn(4, 64))  # [E, 2I] == [E, H] here: same shape as w2_bias
+    pos, kw = _split(args)
+    assert ops.moe(*pos, **kw).shape == (3, 64)  # cached
+    pos, kw = _split(change(args))
+    with pytest.raises(exc_type, match=f"^{arg}: "):
+        ops.moe(*pos, **kw)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "halves"])
+def test_gated_activation_grad_at_the_limit(layout):
+    from mxfx.activation import join_gate_up
+
+    limit = 7.0
+    gate = torch.tensor([[limit, -limit, 1.0]], dtype=torch.float64)
+    up = torch.tensor([[limit, -limit, 0.5]], dtype=torch.float64)
+    x = join_gate_up(gate, up, layout)
+    got_x = x.clone().requires_grad_()
+    ops.gated_activation(got_x, layout, 1.702, 1.0, limit).sum().backward()
+    want_x = x.clone().requires_grad_()
+    act = mxfx.GatedActivation(layout, 1.702, 1.0, limit)
+    emulation.gated_activation(want_x, act).sum().backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=1e-12, atol=1e-15)
+    assert (got_x.grad != 0).all()
+
+
+def test_uncached_resolution_is_not_a_key():
+    triton_like = types.SimpleNamespace(run=lambda x, tw, ids, w, act, aq, key=None: None)
+    act, aq = mxfx.GatedActivation(), ActivationQuant()
+    assert mxfx.ops._Resolved(triton_like, act, aq, cached=True).keyed
+    assert not mxfx.ops._Resolved(triton_like, act, aq, cached=False).keyed

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from mxfx.oracle import (
     select,
     supports,
 )
+from mxfx.oracle.platform import _current
 from mxfx.oracle.shapes import SHAPES
 
 ENV = "MXFX_MOE_BACKEND"
@@ -387,7 +389,8 @@ def test_eager_op_passes_the_executed_activation_quant_on_opt_in(recorder):
 
 NATIVE_MX_ROWS = [
     (Platform("cuda", "sm80"), False), (Platform("cuda", "sm89"), False), (Platform("cuda", "sm90"), False),
-    (Platform("cuda", "sm100"), True), (Platform("cuda", "sm120"), True), (Platform("rocm", "gfx90a"), False),
+    (Platform("cuda", "sm100"), True), (Platform("cuda", "sm120"), True), (Platform("cuda", "sm90a"), False),
+    (Platform("cuda", "sm100a"), True), (Platform("cuda", "sm120a"), True), (Platform("rocm", "gfx90a"), False),
     (Platform("rocm", "gfx942"), False), (Platform("rocm", "gfx950"), True), (Platform("rocm", "gfx1100"), False),
     (Platform("cpu", "x86_64"), False), (Platform("xpu", "pvc"), False),
 ]
@@ -439,10 +442,16 @@ BAD_CONFIG_ROWS = [
     (dict(layout="pairs"), ValueError, "layout: got 'pairs'"),
     (dict(dtype=torch.int8), TypeError, "dtype: got torch.int8"),
     (dict(activation_scale_rounding="up"), ValueError, "scale_rounding"),
+    (dict(num_experts=True), ValueError, "num_experts: got True"),
+    (dict(has_bias=1), TypeError, "has_bias: got 1"),
+    (dict(activation_quant="mxfp8", intermediate_size=48), ValueError, "activation_quant: mxfp8"),
+    (dict(activation_quant="mxfp8", hidden_size=48), ValueError, "activation_quant: mxfp8"),
+    (dict(dtype=torch.float8_e4m3fn), TypeError, "dtype: got torch.float8_e4m3fn"),
+    (dict(limit="7"), ValueError, "limit: got '7'"),
 ]
 
 
-@pytest.mark.parametrize("kw,exc,match", BAD_CONFIG_ROWS, ids=[next(iter(r[0])) for r in BAD_CONFIG_ROWS])
+@pytest.mark.parametrize("kw,exc,match", BAD_CONFIG_ROWS, ids=[str(r[0])[:48] for r in BAD_CONFIG_ROWS])
 def test_bad_config_names_the_field(kw, exc, match):
     with pytest.raises(exc, match=match):
         MoEConfig(**{**dict(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2), **kw})
@@ -515,3 +524,191 @@ def test_doctor_on_simulated_gfx950(capsys):
     assert a4.startswith(_fused_a4_else_emulation())
     assert "triton_unfused: activation_quant=mxfp4" in a4
     assert "aiter: not verified by mxfx" in a4
+
+
+# ---------------------------------------------------------------- reasons, cache keys, settings
+
+
+def test_wrong_platform_is_the_only_platform_reason():
+    p = Platform("cuda", "sm100", frozenset({"triton", "aiter"}))
+    ok, reason = supports(backends.get("aiter"), shape("Qwen3-30B-A3B", "mxfp4"), p)
+    assert not ok
+    assert reason == "platform=cuda: runs only on ['rocm']"
+
+
+def test_activation_quant_reason_has_no_hint_when_no_higher_precision_is_executed():
+    # aiter executes only mxfp4: an A16 layer gets the plain reason, and extra_check ("not
+    # verified") is not asked because a declared field already failed.
+    ok, reason = supports(backends.get("aiter"), shape("Qwen3-30B-A3B"), GFX950_AITER)
+    assert not ok
+    assert reason == "activation_quant=none: executes only ['mxfp4']"
+
+
+class _Declared(Backend):
+    """A third-party CPU backend whose capabilities a test sets; it never runs."""
+
+    def __init__(self, name, **caps):
+        self.name = name
+        base = dict(platforms=frozenset({"cpu"}), weight_quant=frozenset({"mxfp4"}),
+                    activation_quant=frozenset({"none"}), dtypes=frozenset({torch.float32}))
+        self.capabilities = Capabilities(**{**base, **caps})
+
+    def run(self, x, topk_weights, topk_ids, weights, act, aq):
+        raise AssertionError("not run by these tests")
+
+
+@pytest.fixture
+def declared():
+    added = []
+
+    def add(name, **caps):
+        backend = _Declared(name, **caps)
+        backends.register(backend)
+        added.append(name)
+        return backend
+
+    yield add
+    for name in added:
+        backends.unregister(name)
+
+
+def test_intermediate_align_is_checked(declared):
+    declared("aligned", intermediate_align=64)
+    d = select(MoEConfig(4, 64, 32, 2, dtype=torch.float32), CPU)
+    assert d.backend == "emulation"
+    assert dict(d.rejected)["aligned"] == "intermediate_size=32: needs a multiple of 64"
+    assert select(MoEConfig(4, 64, 128, 2, dtype=torch.float32), CPU).backend == "aligned"
+
+
+def test_weight_quant_is_checked(recorder):
+    d = select(MoEConfig(4, 64, 32, 2, dtype=torch.float32, weight_quant="float"), CPU)
+    assert d.backend == "emulation"
+    assert dict(d.rejected)["recorder"] == "weight_quant=float: executes only ['mxfp4']"
+
+
+def test_opt_in_takes_the_nearest_higher_precision(declared):
+    declared("a8", activation_quant=frozenset({"none", "mxfp8"}))
+    mxfx.configure(allow_higher_precision_activations=True)
+    d = select(MoEConfig(4, 64, 32, 2, dtype=torch.float32, activation_quant="mxfp4"), CPU)
+    assert (d.backend, d.activation_quant, d.higher_precision) == ("a8", "mxfp8", True)
+    assert "activations run as mxfp8, not the checkpoint's mxfp4" in d.summary()
+
+
+def test_opt_in_setting_is_part_of_the_cache_key(recorder):
+    config = MoEConfig(4, 64, 32, 2, dtype=torch.float32, activation_quant="mxfp4")
+    assert select(config, CPU).backend == "emulation"
+    mxfx.configure(allow_higher_precision_activations=True)
+    d = select(config, CPU)
+    assert (d.backend, d.activation_quant) == ("recorder", "none")
+
+
+def test_registering_a_backend_invalidates_cached_decisions():
+    config = MoEConfig(4, 64, 32, 2, dtype=torch.float32)
+    assert select(config, CPU).backend == "emulation"
+    backends.register(_Recorder())
+    try:
+        assert select(config, CPU).backend == "recorder"
+    finally:
+        backends.unregister("recorder")
+    assert select(config, CPU).backend == "emulation"
+
+
+def test_xpu_considers_triton_and_says_why_not():
+    d = select(shape("gpt-oss-20b"), XPU)
+    assert d.considered == ("triton", "emulation")
+    assert dict(d.rejected)["triton"] == "platform=xpu: runs only on ['cuda', 'rocm']"
+
+
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_configure_opt_in_must_be_a_bool(value):
+    with pytest.raises(TypeError, match="^allow_higher_precision_activations: got"):
+        mxfx.configure(allow_higher_precision_activations=value)
+    assert not mxfx.oracle.settings.current().allow_higher_precision_activations
+
+
+def test_empty_env_is_auto(monkeypatch):
+    monkeypatch.setenv(ENV, "")
+    d = select(shape("gpt-oss-120b"), SM90)
+    assert (d.backend, d.requested, d.source) == ("triton", "auto", "auto")
+
+
+def test_eager_op_follows_a_later_env_change(monkeypatch):
+    args = _moe_inputs()
+    torch.testing.assert_close(torch.ops.mxfx.moe(*args), _reference(args), rtol=0, atol=0)
+    monkeypatch.setenv(ENV, "triton")
+    with pytest.raises(NoBackendError, match=ENV):
+        torch.ops.mxfx.moe(*args)
+
+
+def test_platform_arch_must_be_a_string():
+    with pytest.raises(TypeError, match="^arch: got 90"):
+        Platform("cuda", 90)
+
+
+def test_rocm_arch_drops_the_target_features(monkeypatch):
+    props = types.SimpleNamespace(gcnArchName="gfx950:sramecc+:xnack-")
+    monkeypatch.setattr(torch.version, "hip", "7.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    _current.cache_clear()
+    try:
+        p = Platform.current("cuda:0")
+    finally:
+        _current.cache_clear()
+    assert (p.kind, p.arch, p.native_mx) == ("rocm", "gfx950", True)
+
+
+def test_summary_says_how_the_backend_was_chosen():
+    assert select(shape("gpt-oss-20b"), SM90).summary().endswith(": triton (auto)")
+    explicit = select(shape("gpt-oss-20b"), SM90, "emulation").summary()
+    assert explicit.endswith(": emulation (requested by the backend argument)")
+
+
+def test_decision_table_shows_the_chosen_backends_note():
+    d = select(shape("gpt-oss-20b"), CPU)
+    note = backends.get("emulation").capabilities.note
+    assert d.note == note and f"emulation  chosen; {note}" in str(d)
+
+
+def test_eager_op_w2_bias_alone_counts_as_bias(recorder):
+    x, tw, ids, p13, s13, _, p2, s2, _ = _moe_inputs()
+    b2 = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    out = torch.ops.mxfx.moe(x, tw, ids, p13, s13, None, p2, s2, b2)
+    assert recorder.calls == []  # emulation ran it
+    want = emulation.moe(x, tw, ids, MoEWeights(p13, s13, None, p2, s2, b2),
+                         mxfx.GatedActivation("halves", 1.0, 0.0, None), ActivationQuant("none", "even"))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+class _NoIdCheck(_Recorder):
+    """Like the recorder, but runs no expert-id check of its own (as a GPU kernel would not)."""
+
+    name = "no_id_check"
+
+    def run(self, x, topk_weights, topk_ids, weights, act, aq):
+        self.calls.append(aq)
+        return torch.zeros_like(x)
+
+
+def test_eager_op_rejects_id_equal_to_e_before_any_backend_runs():
+    backend = _NoIdCheck()
+    backends.register(backend)
+    try:
+        x, tw, ids, p13, s13, b13, p2, s2, b2 = _moe_inputs()
+        ids[1, 0] = 4  # E = 4
+        with pytest.raises(ValueError, match="^topk_ids: expert id 4 out of range"):
+            torch.ops.mxfx.moe(x, tw, ids, p13, s13, b13, p2, s2, b2)
+        assert backend.calls == []
+    finally:
+        backends.unregister(backend.name)
+
+
+def test_unfused_declares_float32():
+    config = shape("Mixtral-8x7B", dtype=torch.float32)
+    assert supports(backends.get("triton_unfused"), config, SM90) == (True, "")
+    mxfx.configure(moe_backend="triton_unfused")
+    assert select(config, SM90).backend == "triton_unfused"
+
+
+def test_activation_limit_must_be_a_number():
+    with pytest.raises(ValueError, match="^limit: got '7', expected None or a finite number > 0"):
+        mxfx.GatedActivation("halves", 1.0, 0.0, "7")
