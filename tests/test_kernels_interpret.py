@@ -652,3 +652,24 @@ def test_blocks_pmf_matches_random_routings(pairs, experts, block_m):
     assert tv <= 0.15, (tv, pmf, seen.nonzero().flatten().tolist())
     assert -(-pairs // block_m) <= pmf[0][0] and pmf[-1][0] <= routing.max_blocks(pairs, experts, block_m)
     assert routing.blocks_pmf(0, experts, block_m) == ((0, 1.0),)
+
+
+def test_launcher_key_separates_8_from_16_byte_alignment():
+    """A tensor 8 bytes off a 16-byte boundary is keyed apart from an aligned one: Triton
+    specializes pointers on 16-byte alignment, so they need different compiled kernels."""
+    from mxfx.kernels.launch import key_and_call
+
+    buf = torch.zeros(64, dtype=torch.float16)
+    assert buf.data_ptr() % 16 == 0
+    assert key_and_call(0, (buf,), {})[0] != key_and_call(0, (buf[4:],), {})[0]
+
+
+def test_next_power_of_2_matches_triton():
+    """``next_power_of_2`` is the least power of two >= n (a power of two is its own), as
+    Triton's, and 0 for 0: block sizes sized by it are not doubled."""
+    import triton
+
+    from mxfx.kernels.launch import next_power_of_2
+
+    for n in [0, 1, 2, 3, 4, 5, 63, 64, 65, 1024, 1025]:
+        assert next_power_of_2(n) == (triton.next_power_of_2(n) if n else 0)

@@ -626,3 +626,171 @@ def test_gpt_fast_moe_on_mxfp4_weights():
     assert_rewritten(code, layers=1, form="gather_einsum")
     assert "dequantize_mx" not in code  # the packed gate and up are concatenated, not dequantized
     assert "W=mxfp4" in next(r.detail for r in lowering.report() if r.form == "gather_einsum")
+
+
+class DenseNearMiss(DenseMoE):
+    """DenseMoE's routing and expert rows written slightly differently: ``ones`` fills the
+    unselected experts' weights with 1 (a dense layer, not a top-k one), ``untransposed`` views
+    R [T, E] as [E, T] without transposing it, ``tiled`` repeats x along columns."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, x):
+        ex, v = self.experts, self.variant
+        x = x.reshape(-1, H)
+        logits = self.router(x)
+        top_v, top_i = torch.topk(logits, K, dim=-1)
+        fill = torch.ones_like if v == "ones" else torch.zeros_like
+        r = fill(logits).scatter(1, top_i, F.softmax(top_v, dim=1))
+        rows = x.repeat(1, E) if v == "tiled" else x.repeat(E, 1)
+        h = torch.bmm(rows.view(E, -1, H), ex.gate_up_proj) + ex.gate_up_proj_bias[..., None, :]
+        gate, up = h[..., ::2].clamp(max=7.0), h[..., 1::2].clamp(-7.0, 7.0)
+        y = torch.bmm((up + 1) * (gate * torch.sigmoid(gate * 1.702)), ex.down_proj) + ex.down_proj_bias[..., None, :]
+        rt = r.reshape(E, 1, -1) if v == "untransposed" else r.transpose(0, 1).view(E, 1, -1)
+        return (y.view(E, 1, -1, H) * rt[..., None]).sum(dim=0)
+
+
+@pytest.mark.parametrize("variant", ["ones", "untransposed", "tiled"])
+def test_dense_bmm_near_misses_keep_eager_output(variant):
+    """Dense-bmm experts whose routing or rows differ from the 4.x form: a ones-filled scatter
+    is dense routing (every expert weighted), rewritten as such; a routing tensor viewed without
+    its transpose, or x tiled along columns, is not the form and is left as written."""
+    ref, out, code = compiled(randomize(DenseNearMiss(variant)), hidden())
+    assert rel_err(out, ref) < 1e-5
+    assert moe_calls(code) == (1 if variant == "ones" else 0)
+
+
+class BatchedExperts(nn.Module):
+    """transformers' batched_mm experts written by hand (SiLU-and-mul, biases); ``variant``
+    makes it compute something else: ``tiled`` pairs token t*k+j with x[(t*k+j) % T] (x tiled,
+    as x.repeat(k, 1), rather than repeat_interleave), ``twice`` applies the routing weights twice, ``other_bias``
+    adds the down bias of another expert than the pair's."""
+
+    def __init__(self, variant="plain"):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w13 = nn.Parameter(torch.randn(E, H, 2 * I, generator=g) / H**0.5)
+        self.b13 = nn.Parameter(torch.randn(E, 2 * I, generator=g))
+        self.w2 = nn.Parameter(torch.randn(E, I, H, generator=g) / I**0.5)
+        self.b2 = nn.Parameter(torch.randn(E, H, generator=g))
+        self.variant = variant
+
+    def forward(self, x, ids, weights):
+        v = self.variant
+        flat = ids.reshape(-1).clamp(0, E - 1)
+        rows = x[None].expand(K, -1, -1).reshape(-1, H) if v == "tiled" else x.repeat_interleave(K, 0)
+        h = torch.bmm(rows[:, None], self.w13[flat]).squeeze(1) + self.b13[flat]
+        a = F.silu(h[:, :I]) * h[:, I:]
+        b2 = self.b2[(flat + 1) % E] if v == "other_bias" else self.b2[flat]
+        y = torch.bmm(a[:, None], self.w2[flat]).squeeze(1) + b2
+        y = y * weights.reshape(-1).unsqueeze(-1)
+        if v == "twice":
+            y = y * weights.reshape(-1).unsqueeze(-1)
+        return y.view(-1, K, H).sum(1)
+
+
+@pytest.mark.parametrize("variant", ["plain", "tiled", "twice", "other_bias"])
+def test_batched_mm_near_misses_keep_eager_output(variant):
+    """The batched_mm form is rewritten; rows paired with the wrong tokens, routing weights
+    applied twice or a bias gathered by other ids are not that form and keep eager's output."""
+    x = hidden(6)[0]
+    ids = torch.randint(0, E, (6, K), generator=torch.Generator().manual_seed(4))
+    weights = torch.rand(6, K, generator=torch.Generator().manual_seed(5)) + 0.5
+    ref, out, code = compiled(BatchedExperts(variant).eval(), x, ids, weights)
+    assert rel_err(out, ref) < 1e-5
+    assert moe_calls(code) == (1 if variant == "plain" else 0)
+
+
+class GroupedExperts(BatchedExperts):
+    """transformers' grouped_mm experts written by hand (sort by expert, grouped GEMMs on the
+    offsets, un-permute, sum the slots); ``variant``: ``by_perm`` un-permutes with the sort's
+    permutation rather than its inverse, ``weights_by_inverse`` gathers the routing weights by
+    the inverse permutation, ``twice`` applies them twice."""
+
+    def forward(self, x, ids, weights):
+        from transformers.integrations.moe import _grouped_mm
+
+        v = self.variant
+        ids_g, perm = torch.sort(ids.reshape(-1))
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+        w_g = weights.reshape(-1)[inv if v == "weights_by_inverse" else perm]
+        h = _grouped_mm(x[perm // K], self.w13, offs=offs) + self.b13[ids_g]
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = (_grouped_mm(a, self.w2, offs=offs) + self.b2[ids_g]) * w_g.unsqueeze(-1)
+        if v == "twice":
+            y = y * w_g.unsqueeze(-1)
+        return y[perm if v == "by_perm" else inv].view(-1, K, H).sum(1)
+
+
+@pytest.mark.parametrize("variant", ["plain", "by_perm", "weights_by_inverse", "twice"])
+def test_grouped_mm_near_misses_keep_eager_output(variant):
+    """The grouped_mm form is rewritten; un-permuting by the permutation itself, routing weights
+    gathered in another order, or applied twice, are not that form and keep eager's output."""
+    x = hidden(6)[0]
+    ids = torch.randint(0, E, (6, K), generator=torch.Generator().manual_seed(4))
+    weights = torch.rand(6, K, generator=torch.Generator().manual_seed(5)) + 0.5
+    ref, out, code = compiled(GroupedExperts(variant).eval(), x, ids, weights)
+    assert rel_err(out, ref) < 1e-5
+    assert moe_calls(code) == (1 if variant == "plain" else 0)
+
+
+def _qdq(t):
+    return torch.ops.mxfx.dequantize_mx(*torch.ops.mxfx.quantize_mx(t, "mxfp8", "even"), "mxfp8", t.dtype)
+
+
+class GatherEinsumNearMiss(nn.Module):
+    """gpt-fast's experts (routing given) where the up projection differs from the gate's:
+    ``other_ids`` gathers w3 by the slots in the other order, ``up_unquantized`` feeds the gate
+    quantize-dequantized x (MXFP8) and the up x as it is (the intermediate is quantized too)."""
+
+    def __init__(self, variant):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(E, I, H, generator=g) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, H, I, generator=g) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(E, I, H, generator=g) * 0.1)
+        self.variant = variant
+
+    def forward(self, x, weights, ids):
+        v = self.variant
+        xq = _qdq(x) if v == "up_unquantized" else x
+        x1 = F.silu(torch.einsum("ti,taoi -> tao", xq, self.w1[ids]))
+        x3 = torch.einsum("ti, taoi -> tao", x, self.w3[ids.flip(-1) if v == "other_ids" else ids])
+        mid = x1 * x3
+        mid = _qdq(mid) if v == "up_unquantized" else mid
+        y = torch.einsum("tao, taio -> tai", mid, self.w2[ids])
+        return torch.einsum("tai,ta -> ti", y, weights)
+
+
+@pytest.mark.parametrize("variant", ["other_ids", "up_unquantized"])
+def test_gather_einsum_gate_and_up_must_read_the_same_rows(variant):
+    """Gate and up projections gathered by different ids, or reading differently quantized
+    tokens, are not one MoE layer's halves: eager's output is kept."""
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
+    weights = torch.rand(5, K, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[0, 1], [2, 3], [3, 0], [1, 2], [2, 0]])
+    ref, out, code = compiled(GatherEinsumNearMiss(variant).eval(), x, weights, ids)
+    assert rel_err(out, ref) < 1e-5
+    assert moe_calls(code) == 0
+
+
+def _embedding_bmm(q, idx, table):
+    return torch.bmm(q, table[idx].view(q.shape[0], q.shape[2], -1))
+
+
+def test_a_bmm_on_an_embedding_lookup_is_not_reported_as_experts():
+    """A bmm reading rows gathered from a 2-D table (relative-position embeddings, say) is not
+    an expert GEMM: the report gets no record for it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mxfx.lowering import leftover
+
+    args = (torch.randn(4, 3, 8), torch.randint(0, 16, (4, 8)), torch.randn(16, 5))
+    graph = make_fx(_embedding_bmm, tracing_mode="fake")(*args).graph
+    lowering.clear()
+    leftover.record(graph, [])
+    assert lowering.report() == []

@@ -346,3 +346,22 @@ def test_near_miss_activation_stays():
     text, out, ref = lowered(silu_and_mul_off_by_2e4, probe())
     assert close(out, ref)
     assert text == ""
+
+
+def test_report_keeps_the_newest_thousand_records_and_says_the_backend():
+    """The report holds at most 1000 records, the newest (a long-running process keeps seeing
+    its latest compiles); a rewritten record names the backend, a skipped one its reason."""
+    from mxfx.lowering.report import Record, add
+
+    lowering.clear()
+    try:
+        for i in range(1005):
+            add(Record("grouped_mm", True, f"layer {i}", backend="emulation"))
+        records = lowering.report()
+        assert len(records) == 1000
+        assert records[0].detail == "layer 5" and records[-1].detail == "layer 1004"
+        assert str(records[-1]) == "rewrote grouped_mm: layer 1004 -> emulation"
+        left = Record("batched_mm", False, "E=4", reason="no backend")
+        assert str(left) == "left batched_mm: E=4: no backend"
+    finally:
+        lowering.clear()

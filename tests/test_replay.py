@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from mxfx.activation import GPT_OSS  # noqa: E402
+from mxfx.activation import GPT_OSS, SILU_AND_MUL  # noqa: E402
 from mxfx.kernels import activation, launch, moe, moe_portable  # noqa: E402
-from mxfx.kernels.replay import Replayer  # noqa: E402
+from mxfx.kernels.replay import Replayer, _pack  # noqa: E402
 from mxfx.moe_call import ActivationQuant, MoEWeights  # noqa: E402
 
 E, H, I, K = 8, 64, 96, 2
@@ -497,3 +497,58 @@ def test_host_profile_tool_measures_the_replayed_call():
     assert [line.split("  ")[0] for line in lines[:3]] == [
         "torch.ops.mxfx.moe", "the op's body, no dispatcher", "fused_moe"]
     assert lines[3] == "replayed from a plan: True"
+
+
+def test_replay_keys_on_the_static_arguments(logged):
+    """Calls with the same tensors but another activation or activation quantization are not
+    replayed from each other's plan: each gets its own, and hands GEMM1 its own constants."""
+    rep = Replayer(moe._fused_moe)
+    inputs = _inputs(4, 0)
+    rep(inputs, (GPT_OSS, ActivationQuant()))
+    rep(inputs, (SILU_AND_MUL, ActivationQuant()))
+    rep(inputs, (GPT_OSS, ActivationQuant("mxfp8")))
+    assert len(rep._plans) == 3
+    logged.clear()
+    rep(inputs, (SILU_AND_MUL, ActivationQuant()))  # replayed
+    replayed = list(logged)
+    logged.clear()
+    moe._fused_moe(*inputs, SILU_AND_MUL, ActivationQuant())
+    fresh = list(logged)
+    def gemm1_floats(launches):
+        call = next(call for name, _, call in launches if "gemm" in name)
+        return [a for a in call if isinstance(a, float)]
+
+    assert gemm1_floats(replayed) == gemm1_floats(fresh) and float(SILU_AND_MUL.alpha) in gemm1_floats(replayed)
+
+
+def test_workspace_regions_are_aligned_and_fill_exact_gaps():
+    """Each temporary's region starts at a multiple of 256 bytes (as the caching allocator's
+    blocks, which the kernels' 16-byte specialization was recorded on), and a temporary that
+    exactly fills the bytes below a live region reuses them."""
+    # key -> (bytes, first launch, last launch)
+    regions = _pack({1: (1000, 0, 0), 2: (100, 0, 1), 3: (512, 1, 1)})
+    assert all(r.offset % 256 == 0 for r in regions.values())
+    assert regions[2].offset == 1024
+    regions = _pack({1: (1024, 0, 0), 2: (1024, 0, 1), 3: (1024, 1, 1)})
+    assert [regions[k].offset for k in (1, 2, 3)] == [0, 1024, 0]
+
+
+def test_per_pair_counters_cover_every_column_tile(logged, monkeypatch):
+    """On per-pair blocks (one token, Hopper patched in, two launches) the k-sum's counters
+    hold one per token and 64-column tile of the output, the last partial tile included."""
+    from mxfx.kernels import moe_sm90
+
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    inputs = _inputs(1, 0, H=160)
+    moe._fused_moe(*inputs, GPT_OSS, ActivationQuant())
+    (_, _, gemm1), (_, _, gemm2) = logged
+    assert gemm1[-3] == gemm2[-3] == 3  # T * cdiv(160, 64)
+
+
+@pytest.mark.parametrize("programs,steps,pdl", [(720, 6, True), (360, 23, False), (540, 23, True),
+                                                (528, 23, False), (529, 23, True), (512, 28, False), (10, 8, True)])
+def test_per_pair_gemm2_launched_by_pdl_when_short_or_many_per_sm(monkeypatch, programs, steps, pdl):
+    """Per-pair GEMM2 is launched by PDL where its programs have at most 8 K steps or there
+    are more than 4 per SM of 132."""
+    monkeypatch.setattr(moe, "num_sms", lambda device: 132)
+    assert moe._pdl_gemm2(programs, steps, torch.device("cpu")) == pdl
