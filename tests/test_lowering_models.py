@@ -691,18 +691,6 @@ class BatchedExperts(nn.Module):
         return y.view(-1, K, H).sum(1)
 
 
-@pytest.mark.parametrize("variant", ["plain", "tiled", "twice", "other_bias"])
-def test_batched_mm_near_misses_keep_eager_output(variant):
-    """The batched_mm form is rewritten; rows paired with the wrong tokens, routing weights
-    applied twice or a bias gathered by other ids are not that form and keep eager's output."""
-    x = hidden(6)[0]
-    ids = torch.randint(0, E, (6, K), generator=torch.Generator().manual_seed(4))
-    weights = torch.rand(6, K, generator=torch.Generator().manual_seed(5)) + 0.5
-    ref, out, code = compiled(BatchedExperts(variant).eval(), x, ids, weights)
-    assert rel_err(out, ref) < 1e-5
-    assert moe_calls(code) == (1 if variant == "plain" else 0)
-
-
 class GroupedExperts(BatchedExperts):
     """transformers' grouped_mm experts written by hand (sort by expert, grouped GEMMs on the
     offsets, un-permute, sum the slots); ``variant``: ``by_perm`` un-permutes with the sort's
@@ -726,14 +714,18 @@ class GroupedExperts(BatchedExperts):
         return y[perm if v == "by_perm" else inv].view(-1, K, H).sum(1)
 
 
-@pytest.mark.parametrize("variant", ["plain", "by_perm", "weights_by_inverse", "twice"])
-def test_grouped_mm_near_misses_keep_eager_output(variant):
-    """The grouped_mm form is rewritten; un-permuting by the permutation itself, routing weights
-    gathered in another order, or applied twice, are not that form and keep eager's output."""
+@pytest.mark.parametrize("form,variant", [
+    *((BatchedExperts, v) for v in ("plain", "tiled", "twice", "other_bias")),
+    *((GroupedExperts, v) for v in ("plain", "by_perm", "weights_by_inverse", "twice")),
+], ids=lambda p: p.__name__ if isinstance(p, type) else p)
+def test_hand_written_expert_near_misses_keep_eager_output(form, variant):
+    """The batched_mm and grouped_mm forms are rewritten; rows paired with the wrong tokens,
+    un-permuted by the permutation itself, routing weights gathered in another order or applied
+    twice, or a bias gathered by other ids are not those forms and keep eager's output."""
     x = hidden(6)[0]
     ids = torch.randint(0, E, (6, K), generator=torch.Generator().manual_seed(4))
     weights = torch.rand(6, K, generator=torch.Generator().manual_seed(5)) + 0.5
-    ref, out, code = compiled(GroupedExperts(variant).eval(), x, ids, weights)
+    ref, out, code = compiled(form(variant).eval(), x, ids, weights)
     assert rel_err(out, ref) < 1e-5
     assert moe_calls(code) == (1 if variant == "plain" else 0)
 
