@@ -81,3 +81,21 @@ def test_rejects_bad_input(kernel_device):
         kernels.gated_activation(x[:, :5], GPT_OSS)
     with pytest.raises(TypeError, match="act: got tuple"):
         kernels.gated_activation(x, ("halves", 1.0, 0.0, None))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("layout", ["interleaved", "halves"])
+def test_nan_in_up_and_gate_propagates_through_the_clamp(kernel_device, layout):
+    """A NaN in an `up` or a `gate` column comes out NaN under a limit, as torch.clamp keeps
+    it, in both layouts (the interpreter's clamp always keeps NaN: this one is for the GPU)."""
+    d = 8
+    x = torch.randn(2, 2 * d, generator=torch.Generator().manual_seed(0))
+    up_col = 1 if layout == "interleaved" else d  # column 0's up
+    gate_col = 2 if layout == "interleaved" else 1  # column 1's gate
+    x[0, up_col] = float("nan")
+    x[1, gate_col] = float("nan")
+    act = GatedActivation(layout, 1.702, 1.0, 7.0)
+    out = kernels.gated_activation(x.to(kernel_device), act).cpu()
+    ref = emulation.gated_activation(x, act)
+    assert out[0, 0].isnan() and out[1, 1].isnan()
+    torch.testing.assert_close(out, ref, equal_nan=True)

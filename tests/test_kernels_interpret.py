@@ -480,6 +480,41 @@ def test_launch_code_picks_the_hopper_kernel_only_where_it_fits(monkeypatch):
     assert kernels(3) == ["_moe_gemm"] * 2
 
 
+@pytest.mark.parametrize("rounding", ["floor", "round_up"])
+def test_hopper_launches_quantize_with_the_calls_scale_rounding(monkeypatch, rounding):
+    """Under W4A8, every Hopper launch that quantizes (x in the per-pair GEMM1, in the quantize
+    pass or in its paired / dot-ordered copy, the intermediate in GEMM1's epilogue) is given the
+    call's scale rounding, not a default (launches recorded; per pair, grouped 8-row blocks,
+    wgmma blocks, warp-specialized)."""
+    import dataclasses
+
+    from mxfx.kernels import launch, moe, moe_sm90
+
+    launched = []
+    monkeypatch.setattr(launch.Launcher, "_launch",
+                        lambda self, grid, a, meta: launched.append((self._kernel.__name__, meta)))
+    monkeypatch.setattr(moe_sm90, "runs_on", lambda device: True)
+    E, H, I, k = 4, 160, 224, 2
+    code, aq = mx.ROUNDING_CODES[rounding], ActivationQuant("mxfp8", rounding)
+    W = _weights(E, H, I, torch.bfloat16, True, True, 0, "cpu")
+    W = dataclasses.replace(W, **{f.name: getattr(W, f.name).contiguous() for f in dataclasses.fields(W)})
+    shifted = torch.zeros(E, 2 * I, H // 2 + 4, dtype=torch.uint8)[..., :-4].copy_(W.w13)  # words, not ws
+
+    def quantizing(T, w=W, per_pair=True):
+        if not per_pair:
+            monkeypatch.setattr(moe, "PER_PAIR_REPEAT_BYTES", 0)
+        ids, tw = _routing_case(T, E, k, 1)
+        launched.clear()
+        fused_moe(torch.zeros(T, H, dtype=torch.bfloat16), tw.bfloat16(), ids, w, GPT_OSS, aq)
+        return [(name, meta.get("AQ_ROUNDING", meta.get("ROUNDING"))) for name, meta in launched
+                if meta.get("AQ") or meta.get("X_QDQ") or meta.get("FMT")]
+
+    assert quantizing(1) == [("_moe_per_pair_sm90", code)]
+    assert quantizing(3, per_pair=False) == [("_dot_order_kernel", code), ("_moe_gemm_sm90", code)]
+    assert quantizing(14, dataclasses.replace(W, w13=shifted)) == [("_qdq_kernel", code), ("_moe_gemm_sm90", code)]
+    assert quantizing(200) == [("_dot_order_kernel", code), ("_dot_order_kernel", code)]
+
+
 def test_grouped_mma_sync_blocks_read_their_activations_paired(monkeypatch):
     """On grouped 8-row mma.sync blocks (Hopper) x is copied in the paired order after the
     routing kernels, by PDL, and quantize-dequantized on the way under activation quantization
@@ -673,3 +708,61 @@ def test_next_power_of_2_matches_triton():
 
     for n in [0, 1, 2, 3, 4, 5, 63, 64, 65, 1024, 1025]:
         assert next_power_of_2(n) == (triton.next_power_of_2(n) if n else 0)
+
+
+@pytest.mark.parametrize("rounding", ["floor", "round_up"])
+def test_fused_activation_quant_honours_the_scale_rounding(kernel_device, rounding):
+    """Under activation quantization with the "floor" or "round_up" shared-exponent rule, the
+    fused MoE quantizes both GEMM inputs (x, and the intermediate in GEMM1's epilogue) with
+    that rule, as the emulation does, not with the default "even"."""
+    case = (5, 4, 64, 64, 2, True, GPT_OSS, True, torch.float32)
+    out, ref = _run_case(fused_moe, case, kernel_device, aq=ActivationQuant("mxfp4", rounding), seed=5)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+def test_fused_activation_quant_rounds_to_x_dtype_before_quantizing(kernel_device):
+    """The fused epilogue rounds the activation to x.dtype (float16) before the MX
+    quantization: an activation of 0.25 + 2^-14 rounds to the float16 0.25, an E2M1 tie
+    (scale 1 next to a 6 in its block) that goes to 0, where unrounded it would go to 0.5."""
+    E, H, I = 1, 32, 32
+    dt = torch.float16
+    # x = 0 and zero w13: GEMM1's output is its bias. Halves layout: gate = b[:I], up = b[I:].
+    b13 = torch.zeros(E, 2 * I)
+    b13[0, 0], b13[0, 1] = 6.0, 0.25  # gate: the block's max (scale 2^0) and the tie
+    b13[0, I:] = 1.0  # up
+    # alpha = 1000: sigmoid(alpha * gate) is exactly 1 for gate >= 0.25 and 1/2 at 0, so the
+    # activation is gate * (1 + 2^-12): 6 + 6*2^-12 (float16: 6) and 0.25 + 2^-14 (float16: 0.25).
+    act = GatedActivation("halves", 1000.0, 2.0**-12, None)
+    w2 = torch.randn(E, H, I, generator=torch.Generator().manual_seed(0)).to(dt)
+    parts = (torch.zeros(E, 2 * I, H, dtype=dt), None, b13.to(dt), w2, None, None)
+    W = MoEWeights(*(None if p is None else _poisoned(p, kernel_device) for p in parts))
+    x = torch.zeros(1, H, dtype=dt)
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    tw = torch.ones(1, 1, dtype=dt)
+    aq = ActivationQuant("mxfp4", "even")
+    out = fused_moe(_poisoned(x, kernel_device), tw.to(kernel_device), ids.to(kernel_device), W, act, aq).cpu()
+    cpu_w = MoEWeights(*(None if t is None else t.cpu() for t in W.__dict__.values()))
+    ref = emulation.moe(x, tw, ids, cpu_w, act, aq)
+    # The intermediate is [6, 0, 0, ...]: out = 6 * w2[:, 0] (the tie's 0.5 would add w2[:, 1] / 2).
+    torch.testing.assert_close(ref, (6.0 * w2[0, :, 0].float()).to(dt)[None], rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_k_sum_rounds_to_x_dtype_once(kernel_device):
+    """The k-sum adds each token's slots in float32 and rounds to x.dtype once, as the
+    emulation does: with x = 0 each slot's output is exactly ``b2[e] * routing weight`` (float16
+    products, exact in float32), so the float16 result must equal the emulation's bit for bit;
+    rounding after each slot differs in about one column in five."""
+    E, H, I, dt = 2, 32, 32, torch.float16
+    g = torch.Generator().manual_seed(0)
+    b2 = torch.randn(E, H, generator=g).to(dt)
+    parts = (torch.zeros(E, 2 * I, H, dtype=dt), None, None, torch.zeros(E, H, I, dtype=dt), None, b2)
+    W = MoEWeights(*(None if p is None else _poisoned(p, kernel_device) for p in parts))
+    x = torch.zeros(2, H, dtype=dt)
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    tw = torch.tensor([[0.7, 0.3], [0.45, 0.55]]).to(dt)
+    out = fused_moe(_poisoned(x, kernel_device), tw.to(kernel_device), ids.to(kernel_device), W, GPT_OSS,
+                    ActivationQuant()).cpu()
+    ref = emulation.moe(x, tw, ids, MoEWeights(*(None if p is None else p for p in parts)), GPT_OSS,
+                        ActivationQuant())
+    assert torch.equal(out, ref)

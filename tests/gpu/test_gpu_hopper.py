@@ -101,11 +101,13 @@ def test_hopper_kernel_taken_and_right(monkeypatch, T, E, H, I, k, act, sync):
     assert not calls and not in_one
 
 
+@pytest.mark.parametrize("rounding", ["even", "floor", "round_up"])
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
 @pytest.mark.parametrize("T,E,pad", [(1, 8, 0), (12, 16, 0), (14, 8, 4)])  # per pair, 8-row blocks, wgmma
-def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E, pad):
-    """Under W4A8/W4A4, moe_sm90's GEMM1 quantize-dequantizes the intermediate in its epilogue:
-    the same bits as GEMM1 without it followed by ``mx.quantize_dequantize``."""
+def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E, pad, rounding):
+    """Under W4A8/W4A4, moe_sm90's GEMM1 quantize-dequantizes the intermediate in its epilogue
+    with the call's scale rounding: the same bits as GEMM1 without it followed by
+    ``mx.quantize_dequantize``."""
     from mxfx.kernels import moe_sm90, mx
 
     if not moe_sm90.runs_on(torch.device("cuda")):
@@ -117,7 +119,7 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
     assert cfg.sm90 and cfg.sync_mma == (pad == 0)
     routing = moe._route(ids, W, cfg)
     inter = []
-    for aq in (ActivationQuant(fmt, "even"), ActivationQuant()):
+    for aq in (ActivationQuant(fmt, rounding), ActivationQuant()):
         out = torch.full((T * k, I), float("nan"), dtype=torch.bfloat16, device="cuda")
         moe._gemm(x, k, W.w13, W.w13_scale, W.w13_bias, routing, out, 0, I, H, cfg, block_n=cfg.block_n1,
                   act=GPT_OSS, aq=aq)
@@ -128,7 +130,7 @@ def test_hopper_gemm1_quantizes_the_intermediate_as_the_separate_pass(fmt, T, E,
     quantized, plain = (t[written] for t in inter)
     assert not plain.isnan().any()
     assert not torch.equal(quantized, plain)
-    assert torch.equal(quantized, mx.quantize_dequantize(plain, fmt, "even"))
+    assert torch.equal(quantized, mx.quantize_dequantize(plain, fmt, rounding))
 
 
 @pytest.mark.parametrize(
