@@ -6,6 +6,8 @@ rows and writes its PNG and PERF_LOG.md where it is told (a tmp dir, never the r
 from __future__ import annotations
 
 import re
+import subprocess
+import types
 
 import pytest
 import torch
@@ -147,3 +149,121 @@ def test_triton_kernels_columns_only_beside_an_h200_run(gpu, shown):
     else:
         assert (tk_us, tk_pct) == ("-", "-")
     assert cols[3:5] == ["triton", "600.0"]
+
+
+def test_ceilings_count_copy_bytes_read_and_written_and_two_flops_per_multiply_add(monkeypatch):
+    """The copy ceiling counts each byte twice (read and written) and the matmul ceiling two
+    FLOPs per multiply-add of the n³ product: with every timing 0.5 s, the quick sizes
+    (64 MiB, 512³) give 2·64 MiB / 0.5 s and 2·512³ / 0.5 s."""
+    monkeypatch.setattr(bench, "_median_seconds", lambda fn, device, reps: 0.5)
+    c = bench.measure_ceilings(torch.device("cpu"), quick=True)
+    assert c.copy_bytes_per_s == pytest.approx(2 * 64 * 2**20 / 0.5)
+    assert c.matmul_flops_per_s == pytest.approx(2 * 512**3 / 0.5)
+
+
+def test_row_bytes_are_the_mean_over_the_routing_sets(monkeypatch):
+    """Each routing set touches its own experts; a row's bytes (and so its roofline) are the
+    mean over the sets: here 2 and 4 distinct experts, so 3 experts' weights on average."""
+    real = bench._routing_sets
+
+    def routed(shape, T, n, device, gen, routing="random"):
+        sets = real(shape, T, n, device, gen, routing)
+        ids = [torch.tensor([[0, 1], [1, 0]]), torch.tensor([[0, 1], [2, 3]])]
+        return [(x, tw, ids[i % 2].to(torch.int32)) for i, (x, tw, _) in enumerate(sets)]
+
+    monkeypatch.setattr(bench, "_routing_sets", routed)
+    _, rows = bench.run({"tiny": TINY}, [2], ["emulation"], ["none"], torch.device("cpu"), quick=True,
+                        check=False, log=lambda s: None)
+    (row,) = rows
+    per_expert = (2 * 96 * 64 + 64 * 96) // 2 + (2 * 96 * 64 + 64 * 96) // 32 + (2 * 96 + 64) * 2
+    activations = 2 * 2 * 64 * 2  # x in and y out, T=2 rows of H=64 bf16
+    assert row.bytes == pytest.approx(3 * per_expert + activations)
+
+
+def test_throughput_columns():
+    """TB/s is bytes per second and TFLOP/s FLOPs per second, both over the measured time:
+    1e9 bytes and 1e12 FLOPs in 500 µs are 2 TB/s and 2000 TFLOP/s."""
+    row = bench.Row("tiny", 8, "none", "emulation", 500.0, "wall", None, 1e9, 1e12, 100.0, None)
+    assert row.tbps == pytest.approx(2.0)
+    assert row.tflops == pytest.approx(2000.0)
+    cols = bench.format_row(row).split()
+    assert (float(cols[8]), float(cols[9]), float(cols[10])) == (20.0, 2.0, 2000.0)  # % roof, TB/s, TFLOP/s
+
+
+def test_wall_time_is_per_call(monkeypatch):
+    """The timed block calls the layer once per routing set; the reported time is per call."""
+    calls = []
+    monkeypatch.setattr(bench, "_median_seconds", lambda fn, device, reps: 6.0)
+    sec, mode = bench._time_call(lambda *s: calls.append(s), [(1,), (2,), (3,)], torch.device("cpu"),
+                                 graph=False, quick=True)
+    assert (sec, mode) == (2.0, "wall")
+    assert calls == [(1,), (2,), (3,)]  # the warm-up ran each set once
+
+
+def test_host_timing_is_the_median(monkeypatch):
+    """One slow outlier among the repetitions does not move the time: the median is taken."""
+    ticks = iter([0.0, 3.0, 10.0, 11.0, 20.0, 30.0])  # durations 3, 1, 10
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert bench._median_seconds(lambda: None, torch.device("cpu"), 3) == 3.0
+
+
+@pytest.mark.parametrize("act_quant,routing", [("mxfp8", "random"), ("mxfp4", "random"), ("none", "balanced")])
+def test_triton_kernels_columns_only_beside_a16_random_routing(act_quant, routing):
+    """The issue's triton_kernels figures are bf16-activation runs on random routing: beside a
+    quantized-activation row or a balanced-routing row (a different problem) the columns stay empty."""
+    row = bench.Row("gpt-oss-120b", 64, act_quant, "triton", 600.0, "graph", None, 1e9, 1e12, 450.0, None,
+                    routing=routing, device="NVIDIA H200")
+    assert bench.format_row(row).split()[-2:] == ["-", "-"]
+
+
+def test_perf_log_row_holds_time_mode_and_percent_of_roofline(tmp_path):
+    """A PERF_LOG line carries the measured µs and % roof = 100 · roofline ÷ time
+    (100 µs of roofline in 400 µs: 25.0)."""
+    row = bench.Row("tiny", 8, "mxfp8", "emulation", 400.0, "wall", None, 1e6, 1e9, 100.0, None,
+                    routing="balanced", device="cpu")
+    bench.append_perf_log([row], tmp_path / "PERF_LOG.md", "abc123")
+    line = (tmp_path / "PERF_LOG.md").read_text().splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:] == ["abc123", "cpu", "tiny", "mxfp8", "8", "emulation", "400.0", "wall/balanced", "25.0"]
+
+
+def test_plot_draws_percent_of_roofline(tmp_path, monkeypatch):
+    """Each backend's line is % of roofline against T; on gpt-oss-120b from an H200 the
+    triton_kernels line is the same roofline over the issue's µs."""
+    import matplotlib.axes
+
+    drawn = []
+    real_plot = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        drawn.append((kwargs.get("label"), [float(v) for v in args[0]], [float(v) for v in args[1]]))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    rows = [bench.Row("gpt-oss-120b", T, "none", "triton", us, "graph", None, 1e9, 1e12, roof, None,
+                      device="NVIDIA H200")
+            for T, us, roof in ((1, 200.0, 50.0), (64, 1000.0, 599.0))]
+    bench.write_plot(rows, tmp_path / "p.png", "t")
+    lines = {label: (xs, ys) for label, xs, ys in drawn}
+    assert lines["triton (A16)"] == ([1.0, 64.0], [25.0, 59.9])
+    tk = lines["triton_kernels (issue 4)"]
+    assert tk[0] == [1.0, 64.0]
+    assert tk[1] == pytest.approx([100 * 50.0 / 66.1, 100.0])
+
+
+def test_logged_revision_says_when_the_tree_has_changes(tmp_path):
+    """The revision logged with a run is the short HEAD, with "-dirty" when the checkout has
+    uncommitted changes, so that a PERF_LOG row is not credited to a commit it did not run."""
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("A = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "a")
+    head = git("rev-parse", "--short", "HEAD")
+    assert bench.git_revision(tmp_path) == head
+    (tmp_path / "a.py").write_text("A = 2\n")
+    assert bench.git_revision(tmp_path) == head + "-dirty"
+    assert bench.git_revision(tmp_path / "nowhere") == "unknown"

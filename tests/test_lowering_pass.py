@@ -4,6 +4,7 @@ the FX graph cache."""
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import mxfx
-from mxfx import lowering
+from mxfx import backends, lowering
 from mxfx.lowering import ComposedPass
+from mxfx.oracle import Platform
 
 # ----------------------------------------------------------------------------- rendering
 
@@ -365,3 +367,69 @@ def test_report_keeps_the_newest_thousand_records_and_says_the_backend():
         assert str(left) == "left batched_mm: E=4: no backend"
     finally:
         lowering.clear()
+
+
+def test_enable_twice_beside_a_users_pass_installs_mxfx_once():
+    """With a user's pass set, enable() twice still runs the mxfx pass once, and one disable()
+    gives back exactly the user's pass."""
+    mine = Capture()
+    with inductor_config.patch(post_grad_custom_post_pass=mine):
+        mxfx.enable()
+        mxfx.enable()
+        installed = inductor_config.post_grad_custom_post_pass
+        assert isinstance(installed, ComposedPass) and installed.passes == (mine, lowering.PASS)
+        mxfx.disable()
+        assert inductor_config.post_grad_custom_post_pass is mine
+
+
+def test_enabled_block_inside_enable_keeps_the_pass():
+    """``with mxfx.enabled():`` restores the option as it was: after mxfx.enable() the pass
+    stays installed when the block exits (alone, and beside a user's pass)."""
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        mxfx.enable()
+        with mxfx.enabled():
+            pass
+        assert inductor_config.post_grad_custom_post_pass is lowering.PASS
+    mine = Capture()
+    with inductor_config.patch(post_grad_custom_post_pass=mine):
+        mxfx.enable()
+        before = inductor_config.post_grad_custom_post_pass
+        with mxfx.enabled():
+            pass
+        assert inductor_config.post_grad_custom_post_pass is before
+        assert before.passes == (mine, lowering.PASS)
+
+
+def test_uuid_follows_the_environment_platform_and_backends(monkeypatch):
+    """The compiled graph depends on the backend the oracle picks, which depends on
+    $MXFX_MOE_BACKEND, the platform and the registered backends: each changes the cache key."""
+    from mxfx.lowering import pass_
+    from mxfx.oracle import settings
+
+    monkeypatch.delenv(settings.ENV_BACKEND, raising=False)
+    base = lowering.PASS.uuid()
+    monkeypatch.setenv(settings.ENV_BACKEND, "emulation")
+    assert lowering.PASS.uuid() != base
+    monkeypatch.delenv(settings.ENV_BACKEND)
+    assert lowering.PASS.uuid() == base
+    with monkeypatch.context() as m:
+        m.setattr(Platform, "current", staticmethod(lambda device=None: Platform("cuda", "sm90", frozenset({"triton"}))))
+        assert lowering.PASS.uuid() != base
+    names = backends.names()
+    with monkeypatch.context() as m:
+        m.setattr(backends, "names", lambda: (*names, "mine"))
+        assert lowering.PASS.uuid() != base
+    assert lowering.PASS.uuid() == base
+    assert pass_.backends is backends  # the module the uuid reads
+
+
+def test_uuid_hashes_the_modules_the_rewrite_depends_on():
+    """The hashed sources cover the lowering rules, the oracle, the backends and the op and
+    format definitions the rewritten graph calls."""
+    from mxfx.lowering import pass_
+
+    files = {Path(f).relative_to(pass_._PACKAGE).as_posix() for f in pass_._source_files()}
+    assert {"formats.py", "ops.py", "activation.py"} <= files
+    for package in ("lowering", "oracle", "backends"):
+        want = {p.relative_to(pass_._PACKAGE).as_posix() for p in (pass_._PACKAGE / package).glob("*.py")}
+        assert want and want <= files, package

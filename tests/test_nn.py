@@ -306,3 +306,49 @@ def test_activation_quantized_layer_uses_its_scale_rounding():
         out, floor, even = module(x, ids, w), moe("floor"), moe("even")
     assert not torch.equal(floor, even)  # the probe tells the two roundings apart
     torch.testing.assert_close(out, floor, rtol=0, atol=0)
+
+
+def test_quantize_converts_the_experts_of_every_layer():
+    """A two-layer model: both layers' experts become MXFP4, both are in the report, and the
+    report's bytes cover both."""
+    model = build_model("mixtral", "cpu", torch.float32, **{**TINY["mixtral"], "num_hidden_layers": 2})
+    experts = experts_of(model)
+    assert len(experts) == 2
+    float_bytes = sum((m.gate_up_proj.numel() + m.down_proj.numel()) * 4 for m in experts)
+    report = mxfx.quantize_(model)
+    assert report.layers == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    assert all(isinstance(m, mxfx.nn.MXFP4Experts) for m in experts_of(model))
+    assert report.bytes_before == float_bytes
+    assert report.bytes_after == pytest.approx(float_bytes * 4.25 / 32)
+
+
+def test_quantize_uses_its_scale_rounding_for_both_projections():
+    """scale_rounding applies to gate_up_proj and down_proj alike."""
+    torch.manual_seed(0)
+    module = GatherExperts()
+    gate_up, down = module.gate_up_proj.detach().clone(), module.down_proj.detach().clone()
+    mxfx.quantize_(module, scale_rounding="floor")
+    for packed, scale, w in ((module.w13, module.w13_scale, gate_up), (module.w2, module.w2_scale, down)):
+        want_packed, want_scale = formats.quantize(w, "mxfp4", "floor")
+        assert torch.equal(scale, want_scale) and torch.equal(packed, want_packed)
+    _, round_up_scale = formats.quantize(down, "mxfp4", "round_up")
+    assert not torch.equal(module.w2_scale, round_up_scale)  # the two roundings differ on these weights
+
+
+def test_quantize_report_text():
+    """The report says MiB before and after, MiB saved, and after as a share of before."""
+    report = mxfx.nn.QuantizeReport(("a", "b"), 32 << 20, 17 << 18)  # 32 MiB -> 4.25 MiB
+    assert report.bytes_saved == (32 << 20) - (17 << 18)
+    assert str(report) == ("quantized 2 experts modules to MXFP4: 32.00 MiB -> 4.25 MiB "
+                           "(saved 27.75 MiB, 13.3% of before)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_config_of_a_biasless_layer_keeps_its_dtype(dtype):
+    """A layer without biases is described as such (backends differ in bias support), and
+    with the dtype its weights dequantize to."""
+    module = GatherExperts(bias=False).to(dtype)
+    mxfx.quantize_(module)
+    config = module.moe_config(top_k=2)
+    assert config.has_bias is False
+    assert config.dtype == dtype == module.gate_up_proj.dtype

@@ -712,3 +712,29 @@ def test_unfused_declares_float32():
 def test_activation_limit_must_be_a_number():
     with pytest.raises(ValueError, match="^limit: got '7', expected None or a finite number > 0"):
         mxfx.GatedActivation("halves", 1.0, 0.0, "7")
+
+
+def test_from_hf_config_reads_the_activation_constants_of_the_config():
+    """Non-default swiglu constants in a config reach the MoEConfig (gpt-oss checkpoints carry
+    ``swiglu_limit``; MiniMax-M3 carries ``swiglu_alpha`` and ``swiglu_limit``)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    gpt = MoEConfig.from_hf_config(transformers.GptOssConfig(swiglu_limit=5.0))
+    assert (gpt.layout, gpt.alpha, gpt.beta, gpt.limit) == ("interleaved", 1.702, 1.0, 5.0)
+    m3 = MoEConfig.from_hf_config(MiniMaxM3VLTextConfig(swiglu_alpha=1.5, swiglu_limit=6.0))
+    assert (m3.layout, m3.alpha, m3.beta, m3.limit) == ("halves", 1.5, 1.0, 6.0)
+    m3_vl = MoEConfig.from_hf_config(transformers.MiniMaxM3VLConfig(text_config=dict(swiglu_alpha=1.25)))
+    assert m3_vl.alpha == 1.25
+
+
+def test_doctor_says_when_activations_run_at_higher_precision(capsys):
+    """With allow_higher_precision_activations, a backend that does not execute a layer's
+    activation quantization may still be chosen; the doctor says so beside the choice."""
+    mxfx.configure(moe_backend="triton_unfused", allow_higher_precision_activations=True)
+    assert cli(["doctor", "--platform", "cuda:sm90", "--packages", "triton"]) == 0
+    out = capsys.readouterr().out
+    mixtral = out.split("Mixtral-8x7B:")[1].split("\n\n")[0]
+    assert "A=none  -> triton_unfused\n" in mixtral
+    assert "A=mxfp8 -> triton_unfused (runs activations as none: higher precision)" in mixtral
+    assert "A=mxfp4 -> triton_unfused (runs activations as none: higher precision)" in mixtral
