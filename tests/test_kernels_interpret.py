@@ -766,3 +766,31 @@ def test_k_sum_rounds_to_x_dtype_once(kernel_device):
     ref = emulation.moe(x, tw, ids, MoEWeights(*(None if p is None else p for p in parts)), GPT_OSS,
                         ActivationQuant())
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_fused_backend_declares_and_executes_activation_quant(kernel_device, fmt):
+    """The fused backend declares A8 and A4 (and float32) and its ``run`` executes the
+    quantization it is given: equal to the emulation of that quantization, far from A16."""
+    from mxfx.backends.triton import BACKEND as fused
+
+    assert fmt in fused.capabilities.activation_quant and torch.float32 in fused.capabilities.dtypes
+    case = (5, 4, 64, 64, 2, True, GPT_OSS, True, torch.float32)
+    aq = ActivationQuant(fmt, "even")
+    out, ref = _run_case(fused.run, case, kernel_device, aq=aq, seed=7)
+    _, ref_a16 = _run_case(emulation.moe, case, kernel_device, seed=7)  # its reference: A16
+    assert _rel_err(out, ref) <= 1e-5
+    assert _rel_err(ref_a16, ref) > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_unfused_backend_refuses_every_activation_quant(kernel_device, fmt):
+    """triton_unfused executes no activation quantization, so ``run`` refuses A8 as well as A4
+    rather than run either at higher precision."""
+    from mxfx.backends.triton_unfused import BACKEND as unfused
+
+    W = _weights(2, 32, 32, torch.float32, True, False, 0, kernel_device)
+    x = torch.randn(2, 32, device=kernel_device)
+    ids = torch.zeros(2, 1, dtype=torch.int32, device=kernel_device)
+    with pytest.raises(ValueError, match=f"activation_quant: got '{fmt}'"):
+        unfused.run(x, torch.ones(2, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant(fmt))

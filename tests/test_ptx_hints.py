@@ -54,3 +54,49 @@ def test_hook_rewrites_named_kernels_and_chains(monkeypatch):
     amd = {"amdgcn": None}
     hook(None, amd, None, "gluon", None)
     assert amd == {"amdgcn": None} and calls == ["gluon", "gluon"]
+
+
+def test_rewrite_hints_every_cache_operator_type_and_width_but_no_store():
+    """Every plain ``ld.global`` is hinted whatever its cache operator (.ca/.cg/.cs), element
+    type (b/f/s/u) and vector width (none, .v2/.v4/.v8); stores have no prefetch size and are
+    left as written."""
+    ptx = ("ld.global.ca.s32 %r1, [%rd1+0];\n"
+           "ld.global.cs.v2.f32 {%f1, %f2}, [%rd2+0];\n"
+           "ld.global.v8.b32 {%r2, %r3, %r4, %r5, %r6, %r7, %r8, %r9}, [%rd3+0];\n"
+           "ld.global.s16 %rs1, [%rd4+0];\n"
+           "st.global.v4.b32 [%rd5+0], {%r10, %r11, %r12, %r13};\n"
+           "st.global.cg.u8 [%rd6+0], %rs2;\n")
+    assert ptx_hints.rewrite(ptx).splitlines() == [
+        "ld.global.ca.L2::128B.s32 %r1, [%rd1+0];",
+        "ld.global.cs.L2::128B.v2.f32 {%f1, %f2}, [%rd2+0];",
+        "ld.global.L2::128B.v8.b32 {%r2, %r3, %r4, %r5, %r6, %r7, %r8, %r9}, [%rd3+0];",
+        "ld.global.L2::128B.s16 %rs1, [%rd4+0];",
+        "st.global.v4.b32 [%rd5+0], {%r10, %r11, %r12, %r13};",
+        "st.global.cg.u8 [%rd6+0], %rs2;",
+    ]
+
+
+def test_patterns_find_instructions_with_or_without_the_hint():
+    """COPY and LOAD match an instruction whether or not it already has ``.L2::128B`` and give
+    the hint (or "") as group 2, which tools/compile_kernels.py counts."""
+    before = [m[1] for m in ptx_hints.COPY.findall(PTX)] + [m[1] for m in ptx_hints.LOAD.findall(PTX)]
+    hinted = ptx_hints.rewrite(PTX)
+    after = [m[1] for m in ptx_hints.COPY.findall(hinted)] + [m[1] for m in ptx_hints.LOAD.findall(hinted)]
+    # One cg copy and two plain loads in PTX (the .ca copy, .nc, evict_last and shared loads are not).
+    assert before == ["", "", ""]
+    assert after == [".L2::128B"] * 3
+
+
+def test_hook_wraps_the_stage_an_earlier_hook_put_in_place(monkeypatch):
+    """An earlier hook may replace the ptx stage with its own function; mxfx's rewrite is applied
+    to what that function returns (mxfx's wrapper is outermost)."""
+    def previous(backend, stages, options, language, capability):
+        stages["ptx"] = lambda src, metadata: PTX
+
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", previous)
+    monkeypatch.setattr(ptx_hints, "_KERNELS", set())
+    ptx_hints.l2_prefetch_128b("hinted_kernel")
+    stages = {"ptx": lambda src, metadata: "not this"}
+    knobs.runtime.add_stages_inspection_hook(None, stages, None, "gluon", 90)
+    assert stages["ptx"](None, {"name": "hinted_kernel"}) == ptx_hints.rewrite(PTX) != PTX
+    assert stages["ptx"](None, {"name": "plain_kernel"}) == PTX

@@ -84,3 +84,23 @@ def test_without_cuobjdump_it_warns_and_does_not_check(monkeypatch):
     monkeypatch.setattr(wgmma_guard, "unwritten_descriptor_reads", lambda sass: ["would refuse"])
     with pytest.warns(UserWarning, match="no cuobjdump"):
         wgmma_guard.check_cubin("_add_one", b"not disassembled")
+
+
+def test_the_whole_binary_is_disassembled_and_the_first_finding_named(monkeypatch, tmp_path):
+    """check_cubin hands the disassembler a file holding all of ``cubin`` (a stand-in tool that
+    prints the file back), gives the analysis its output, and names the first (lowest-address)
+    finding with the count of all of them."""
+    tool = tmp_path / "cuobjdump"
+    tool.write_text('#!/bin/sh\n[ "$1" = -sass ] || exit 2\ncat "$2"\n')
+    tool.chmod(0o755)
+    monkeypatch.setattr(wgmma_guard, "_cuobjdump", lambda: str(tool))
+    seen = []
+
+    def finds(sass):
+        seen.append(sass)
+        return ["0x100 HGMMA a: UR[14] not written on every path", "0x200 HGMMA b: UR[15] not written on every path"]
+
+    monkeypatch.setattr(wgmma_guard, "unwritten_descriptor_reads", finds)
+    with pytest.raises(wgmma_guard.MiscompiledKernel, match=r"^k: .*0x100 HGMMA a.*\(2 in all\)"):
+        wgmma_guard.check_cubin("k", b"a small binary")
+    assert seen == ["a small binary"]
