@@ -514,6 +514,7 @@ def test_replay_keys_on_the_static_arguments(logged):
     logged.clear()
     moe._fused_moe(*inputs, SILU_AND_MUL, ActivationQuant())
     fresh = list(logged)
+
     def gemm1_floats(launches):
         call = next(call for name, _, call in launches if "gemm" in name)
         return [a for a in call if isinstance(a, float)]
