@@ -433,3 +433,47 @@ def test_uuid_hashes_the_modules_the_rewrite_depends_on():
     for package in ("lowering", "oracle", "backends"):
         want = {p.relative_to(pass_._PACKAGE).as_posix() for p in (pass_._PACKAGE / package).glob("*.py")}
         assert want and want <= files, package
+
+
+def gate_and_up_of_two_tensors(a, b):  # even columns of a, odd columns of b
+    return F.silu(a[..., ::2]) * b[..., 1::2]
+
+
+def halves_of_two_tensors(a, b):  # first half of a, second half of b
+    return F.silu(a.chunk(2, dim=-1)[0]) * b.chunk(2, dim=-1)[1]
+
+
+@pytest.mark.parametrize("fn", [gate_and_up_of_two_tensors, halves_of_two_tensors])
+def test_gate_and_up_read_from_two_tensors_stay(fn):
+    """Gate and up read as the columns (or halves) of two different tensors are not one
+    tensor's gated activation: the expression is left as written and keeps eager's output."""
+    a, b = probe(), probe() * -0.5 + 1.0
+    text, out, ref = lowered(fn, a, b)
+    assert close(out, ref)
+    assert text == ""
+
+
+def silu_and_mul_upcast_each(x):  # bf16 halves, each upcast to fp32, the product cast back
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def test_activation_upcast_per_operand_is_recognised():
+    """bf16 gate and up each upcast to fp32 (the product cast back to bf16) is SiLU-and-mul on
+    bf16 data: it is confirmed within bf16's tolerance and rewritten, keeping eager's output."""
+    text, out, ref = lowered(silu_and_mul_upcast_each, probe(dtype=torch.bfloat16))
+    assert close(out, ref)
+    assert "'halves', 1, 0, None)" in text and text.count("mxfx.gated_activation") == 1
+
+
+def silu_times_clamped_up(x):  # up clamped at 0 from below: not the formula's clamp
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up.clamp(min=0.0)
+
+
+def test_a_clamp_at_zero_is_no_limit_and_stays():
+    """SiLU(gate) times up clamped at zero is not a gated activation mxfx computes (zero is no
+    limit): compiling it leaves the expression as written and keeps eager's output."""
+    text, out, ref = lowered(silu_times_clamped_up, probe())
+    assert close(out, ref)
+    assert text == ""
