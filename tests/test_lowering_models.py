@@ -260,8 +260,14 @@ def test_mxfp4_experts_use_the_packed_weights(impl):
     assert "W=mxfp4" in next(r.detail for r in lowering.report() if r.form == impl)
 
 
-def test_activation_quantized_experts_get_their_backend_at_compile_time():
-    """mxfx.nn's W4A8 experts call mxfx.moe(backend="auto") themselves; the pass pins it."""
+def test_activation_quantized_experts_get_their_backend_at_compile_time(monkeypatch):
+    """mxfx.nn's W4A8 experts call mxfx.moe(backend="auto") themselves; the pass pins it, with
+    the backend the oracle picks for exactly that layer (MXFP4 weights, MXFP8 activations,
+    biases)."""
+    from mxfx.lowering import moe
+
+    configs, select = [], moe.select
+    monkeypatch.setattr(moe, "select", lambda config, platform: configs.append(config) or select(config, platform))
     block = gpt_oss_block("grouped_mm")
     ex = block.experts
     packed = []
@@ -277,6 +283,8 @@ def test_activation_quantized_experts_get_their_backend_at_compile_time():
     assert "'mxfp8'" in call and "'emulation'" in call and "'auto'" not in call
     (pinned,) = [r for r in lowering.report() if r.form == "pinned"]
     assert pinned.rewritten and pinned.backend == "emulation"
+    (config,) = configs
+    assert (config.weight_quant, config.activation_quant, config.has_bias) == ("mxfp4", "mxfp8", True)
 
 
 def test_dynamic_tokens_do_not_recompile():
@@ -596,23 +604,25 @@ def test_survey_tool_reports_each_family():
 
 
 class PackedGptFastMoE(GptFastMoE):
-    """gpt-fast's MoE with w1, w3, w2 stored MXFP4 and read through ``mxfx.dequantize_mx``
-    (as mxfx.nn stores experts); w3 is scaled up so gate and up have different scales."""
+    """gpt-fast's MoE with w1, w3, w2 stored as ``fmt`` (MXFP4 as mxfx.nn stores experts, or
+    MXFP8) and read through ``mxfx.dequantize_mx``; w3 is scaled up so gate and up have
+    different scales."""
 
-    def __init__(self):
+    def __init__(self, fmt="mxfp4"):
         super().__init__()
         randomize(self)
+        self.fmt = fmt
         with torch.no_grad():
             self._parameters["w3"].mul_(8)
         for name in ("w1", "w2", "w3"):
             w = self._parameters.pop(name).detach().contiguous()
-            packed, scale = torch.ops.mxfx.quantize_mx(w, "mxfp4", "round_up")
+            packed, scale = torch.ops.mxfx.quantize_mx(w, fmt, "round_up")
             self.register_buffer(f"{name}_packed", packed)
             self.register_buffer(f"{name}_scale", scale)
 
     def _dequantized(self, name):
         return torch.ops.mxfx.dequantize_mx(
-            getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), "mxfp4", torch.float32
+            getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), self.fmt, torch.float32
         )
 
     w1 = property(lambda self: self._dequantized("w1"))
@@ -865,33 +875,10 @@ def test_activation_quantization_after_the_row_repeat_is_recognised():
     assert "'mxfp8', 'emulation', 'even'" in code and "quantize_mx" not in code
 
 
-class Mxfp8GptFastMoE(GptFastMoE):
-    """gpt-fast's MoE with w1, w3, w2 stored MXFP8 and read through ``mxfx.dequantize_mx``:
-    bytes that are not MXFP4, so the experts' weights are the dequantized float tensors."""
-
-    def __init__(self):
-        super().__init__()
-        randomize(self)
-        for name in ("w1", "w2", "w3"):
-            w = self._parameters.pop(name).detach().contiguous()
-            packed, scale = torch.ops.mxfx.quantize_mx(w, "mxfp8", "round_up")
-            self.register_buffer(f"{name}_packed", packed)
-            self.register_buffer(f"{name}_scale", scale)
-
-    def _dequantized(self, name):
-        return torch.ops.mxfx.dequantize_mx(
-            getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), "mxfp8", torch.float32
-        )
-
-    w1 = property(lambda self: self._dequantized("w1"))
-    w2 = property(lambda self: self._dequantized("w2"))
-    w3 = property(lambda self: self._dequantized("w3"))
-
-
 def test_gpt_fast_moe_on_mxfp8_weights_uses_them_dequantized():
     """Experts stored MXFP8 (read through dequantize_mx) become one mxfx.moe on the dequantized
     float weights, keeping eager's output: only MXFP4 storage is handed over packed."""
-    ref, out, code = compiled(Mxfp8GptFastMoE().eval(), hidden())
+    ref, out, code = compiled(PackedGptFastMoE("mxfp8").eval(), hidden())
     assert rel_err(out, ref) < 1e-5
     assert_rewritten(code, layers=1, form="gather_einsum")
     assert "W=float" in next(r.detail for r in lowering.report() if r.form == "gather_einsum")
@@ -1014,28 +1001,6 @@ def test_experts_read_through_a_reshaping_view(storage):
     ref, out, code = compiled(ViewedWeightsDenseMoE(storage), hidden())
     assert rel_err(out, ref) < 1e-5
     assert_rewritten(code, layers=1, form="dense_bmm")
-
-
-def test_pinned_backend_is_chosen_for_the_calls_mxfp4_weights(monkeypatch):
-    """mxfx.nn's W4A8 experts (MXFP4 weights, MXFP8 activations, biases) get their backend from
-    the oracle asked about exactly that layer: MXFP4 weights, MXFP8 activations, biases."""
-    from mxfx.lowering import moe
-    from mxfx.nn.experts import to_mxfp4
-
-    block = gpt_oss_block("grouped_mm")
-    ex = block.experts
-    packed = []
-    for w in (ex.gate_up_proj.detach(), ex.down_proj.detach()):
-        packed += torch.ops.mxfx.quantize_mx(w.transpose(1, 2).contiguous(), "mxfp4", "round_up")
-    to_mxfp4(ex, *packed, activation_quant="mxfp8")
-    ex.mxfx_activation = mxfx.activation.GPT_OSS
-    configs, select = [], moe.select
-    monkeypatch.setattr(moe, "select", lambda config, platform: configs.append(config) or select(config, platform))
-    ref, out, code = compiled(block, hidden())
-    assert rel_err(out, ref) < 1e-5
-    assert moe_calls(code) == 1
-    (config,) = configs
-    assert (config.weight_quant, config.activation_quant, config.has_bias) == ("mxfp4", "mxfp8", True)
 
 
 def moe_on_emulation(x, weights, ids, w13, w2):
