@@ -218,11 +218,16 @@ def test_unfused_matches_emulation(kernel_device, case):
     assert _rel_err(out, ref) <= tol
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_fused_executes_activation_quant(kernel_device, fmt):
+@pytest.mark.parametrize("fmt,rounding", [("mxfp8", "even"), ("mxfp4", "even"), ("mxfp4", "floor"),
+                                          ("mxfp4", "round_up")])
+def test_fused_executes_activation_quant(kernel_device, fmt, rounding):
+    """The fused backend's ``run`` quantizes both GEMM inputs (x, and the intermediate in GEMM1's
+    epilogue) with the call's format and shared-exponent rounding, as the emulation does."""
+    from mxfx.backends.triton import BACKEND as fused
+
     case = (9, 4, 64, 96, 2, True, GPT_OSS, True, torch.float32)
-    aq = ActivationQuant(fmt, "even")
-    out, ref = _run_case(fused_moe, case, kernel_device, aq=aq, seed=3)
+    aq = ActivationQuant(fmt, rounding)
+    out, ref = _run_case(fused.run, case, kernel_device, aq=aq, seed=3)
     _, ref_a16 = _run_case(fused_moe, case, kernel_device, seed=3)
     # Equal to the emulation of this quantization up to accumulation order, and far from
     # what unquantized activations would give.
@@ -248,6 +253,8 @@ def test_backends_declare_and_run(kernel_device):
     from mxfx.backends.triton_unfused import BACKEND as unfused
 
     assert fused.name == "triton" and unfused.name == "triton_unfused"
+    assert {"mxfp8", "mxfp4"} <= fused.capabilities.activation_quant
+    assert torch.float32 in fused.capabilities.dtypes
     assert unfused.capabilities.activation_quant == frozenset({"none"})
     for b in (fused, unfused):
         assert b.capabilities.platforms == frozenset({"cuda", "rocm"})
@@ -259,8 +266,9 @@ def test_backends_declare_and_run(kernel_device):
     W = _weights(2, 32, 32, torch.float32, True, False, 0, kernel_device)
     x = torch.randn(2, 32, device=kernel_device)
     ids = torch.zeros(2, 1, dtype=torch.int32, device=kernel_device)
-    with pytest.raises(ValueError, match="activation_quant"):
-        unfused.run(x, torch.ones(2, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant("mxfp4"))
+    for fmt in ("mxfp8", "mxfp4"):  # runs neither at higher precision
+        with pytest.raises(ValueError, match=f"activation_quant: got '{fmt}'"):
+            unfused.run(x, torch.ones(2, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant(fmt))
 
 
 @pytest.mark.parametrize("block_m,swap,split", [(16, False, False), (16, True, True), (64, True, False),
@@ -304,6 +312,54 @@ def test_act_quant_on_unaligned_layer_is_refused_before_any_backend():
     a16 = MoEConfig(num_experts=4, hidden_size=2880, intermediate_size=360, top_k=2,
                     weight_quant="float")
     assert supports(fused, a16, cuda) == (True, "")
+
+
+def test_fused_activation_quant_rounds_to_x_dtype_before_quantizing(kernel_device):
+    """The fused epilogue rounds the activation to x.dtype (float16) before the MX
+    quantization: an activation of 0.25 + 2^-14 rounds to the float16 0.25, an E2M1 tie
+    (scale 1 next to a 6 in its block) that goes to 0, where unrounded it would go to 0.5."""
+    E, H, I = 1, 32, 32
+    dt = torch.float16
+    # x = 0 and zero w13: GEMM1's output is its bias. Halves layout: gate = b[:I], up = b[I:].
+    b13 = torch.zeros(E, 2 * I)
+    b13[0, 0], b13[0, 1] = 6.0, 0.25  # gate: the block's max (scale 2^0) and the tie
+    b13[0, I:] = 1.0  # up
+    # alpha = 1000: sigmoid(alpha * gate) is exactly 1 for gate >= 0.25 and 1/2 at 0, so the
+    # activation is gate * (1 + 2^-12): 6 + 6*2^-12 (float16: 6) and 0.25 + 2^-14 (float16: 0.25).
+    act = GatedActivation("halves", 1000.0, 2.0**-12, None)
+    w2 = torch.randn(E, H, I, generator=torch.Generator().manual_seed(0)).to(dt)
+    parts = (torch.zeros(E, 2 * I, H, dtype=dt), None, b13.to(dt), w2, None, None)
+    W = MoEWeights(*(None if p is None else _poisoned(p, kernel_device) for p in parts))
+    x = torch.zeros(1, H, dtype=dt)
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    tw = torch.ones(1, 1, dtype=dt)
+    aq = ActivationQuant("mxfp4", "even")
+    out = fused_moe(_poisoned(x, kernel_device), tw.to(kernel_device), ids.to(kernel_device), W, act, aq).cpu()
+    cpu_w = MoEWeights(*(None if t is None else t.cpu() for t in W.__dict__.values()))
+    ref = emulation.moe(x, tw, ids, cpu_w, act, aq)
+    # The intermediate is [6, 0, 0, ...]: out = 6 * w2[:, 0] (the tie's 0.5 would add w2[:, 1] / 2).
+    torch.testing.assert_close(ref, (6.0 * w2[0, :, 0].float()).to(dt)[None], rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_k_sum_rounds_to_x_dtype_once(kernel_device):
+    """The k-sum adds each token's slots in float32 and rounds to x.dtype once, as the
+    emulation does: with x = 0 each slot's output is exactly ``b2[e] * routing weight`` (float16
+    products, exact in float32), so the float16 result must equal the emulation's bit for bit;
+    rounding after each slot differs in about one column in five."""
+    E, H, I, dt = 2, 32, 32, torch.float16
+    g = torch.Generator().manual_seed(0)
+    b2 = torch.randn(E, H, generator=g).to(dt)
+    parts = (torch.zeros(E, 2 * I, H, dtype=dt), None, None, torch.zeros(E, H, I, dtype=dt), None, b2)
+    W = MoEWeights(*(None if p is None else _poisoned(p, kernel_device) for p in parts))
+    x = torch.zeros(2, H, dtype=dt)
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    tw = torch.tensor([[0.7, 0.3], [0.45, 0.55]]).to(dt)
+    out = fused_moe(_poisoned(x, kernel_device), tw.to(kernel_device), ids.to(kernel_device), W, GPT_OSS,
+                    ActivationQuant()).cpu()
+    ref = emulation.moe(x, tw, ids, MoEWeights(*(None if p is None else p for p in parts)), GPT_OSS,
+                        ActivationQuant())
+    assert torch.equal(out, ref)
 
 
 # ---------------------------------------------------------------- fast launches
@@ -708,89 +764,3 @@ def test_next_power_of_2_matches_triton():
 
     for n in [0, 1, 2, 3, 4, 5, 63, 64, 65, 1024, 1025]:
         assert next_power_of_2(n) == (triton.next_power_of_2(n) if n else 0)
-
-
-@pytest.mark.parametrize("rounding", ["floor", "round_up"])
-def test_fused_activation_quant_honours_the_scale_rounding(kernel_device, rounding):
-    """Under activation quantization with the "floor" or "round_up" shared-exponent rule, the
-    fused MoE quantizes both GEMM inputs (x, and the intermediate in GEMM1's epilogue) with
-    that rule, as the emulation does, not with the default "even"."""
-    case = (5, 4, 64, 64, 2, True, GPT_OSS, True, torch.float32)
-    out, ref = _run_case(fused_moe, case, kernel_device, aq=ActivationQuant("mxfp4", rounding), seed=5)
-    assert _rel_err(out, ref) <= 1e-5
-
-
-def test_fused_activation_quant_rounds_to_x_dtype_before_quantizing(kernel_device):
-    """The fused epilogue rounds the activation to x.dtype (float16) before the MX
-    quantization: an activation of 0.25 + 2^-14 rounds to the float16 0.25, an E2M1 tie
-    (scale 1 next to a 6 in its block) that goes to 0, where unrounded it would go to 0.5."""
-    E, H, I = 1, 32, 32
-    dt = torch.float16
-    # x = 0 and zero w13: GEMM1's output is its bias. Halves layout: gate = b[:I], up = b[I:].
-    b13 = torch.zeros(E, 2 * I)
-    b13[0, 0], b13[0, 1] = 6.0, 0.25  # gate: the block's max (scale 2^0) and the tie
-    b13[0, I:] = 1.0  # up
-    # alpha = 1000: sigmoid(alpha * gate) is exactly 1 for gate >= 0.25 and 1/2 at 0, so the
-    # activation is gate * (1 + 2^-12): 6 + 6*2^-12 (float16: 6) and 0.25 + 2^-14 (float16: 0.25).
-    act = GatedActivation("halves", 1000.0, 2.0**-12, None)
-    w2 = torch.randn(E, H, I, generator=torch.Generator().manual_seed(0)).to(dt)
-    parts = (torch.zeros(E, 2 * I, H, dtype=dt), None, b13.to(dt), w2, None, None)
-    W = MoEWeights(*(None if p is None else _poisoned(p, kernel_device) for p in parts))
-    x = torch.zeros(1, H, dtype=dt)
-    ids = torch.zeros(1, 1, dtype=torch.int32)
-    tw = torch.ones(1, 1, dtype=dt)
-    aq = ActivationQuant("mxfp4", "even")
-    out = fused_moe(_poisoned(x, kernel_device), tw.to(kernel_device), ids.to(kernel_device), W, act, aq).cpu()
-    cpu_w = MoEWeights(*(None if t is None else t.cpu() for t in W.__dict__.values()))
-    ref = emulation.moe(x, tw, ids, cpu_w, act, aq)
-    # The intermediate is [6, 0, 0, ...]: out = 6 * w2[:, 0] (the tie's 0.5 would add w2[:, 1] / 2).
-    torch.testing.assert_close(ref, (6.0 * w2[0, :, 0].float()).to(dt)[None], rtol=0, atol=0)
-    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
-
-
-def test_k_sum_rounds_to_x_dtype_once(kernel_device):
-    """The k-sum adds each token's slots in float32 and rounds to x.dtype once, as the
-    emulation does: with x = 0 each slot's output is exactly ``b2[e] * routing weight`` (float16
-    products, exact in float32), so the float16 result must equal the emulation's bit for bit;
-    rounding after each slot differs in about one column in five."""
-    E, H, I, dt = 2, 32, 32, torch.float16
-    g = torch.Generator().manual_seed(0)
-    b2 = torch.randn(E, H, generator=g).to(dt)
-    parts = (torch.zeros(E, 2 * I, H, dtype=dt), None, None, torch.zeros(E, H, I, dtype=dt), None, b2)
-    W = MoEWeights(*(None if p is None else _poisoned(p, kernel_device) for p in parts))
-    x = torch.zeros(2, H, dtype=dt)
-    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
-    tw = torch.tensor([[0.7, 0.3], [0.45, 0.55]]).to(dt)
-    out = fused_moe(_poisoned(x, kernel_device), tw.to(kernel_device), ids.to(kernel_device), W, GPT_OSS,
-                    ActivationQuant()).cpu()
-    ref = emulation.moe(x, tw, ids, MoEWeights(*(None if p is None else p for p in parts)), GPT_OSS,
-                        ActivationQuant())
-    assert torch.equal(out, ref)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_fused_backend_declares_and_executes_activation_quant(kernel_device, fmt):
-    """The fused backend declares A8 and A4 (and float32) and its ``run`` executes the
-    quantization it is given: equal to the emulation of that quantization, far from A16."""
-    from mxfx.backends.triton import BACKEND as fused
-
-    assert fmt in fused.capabilities.activation_quant and torch.float32 in fused.capabilities.dtypes
-    case = (5, 4, 64, 64, 2, True, GPT_OSS, True, torch.float32)
-    aq = ActivationQuant(fmt, "even")
-    out, ref = _run_case(fused.run, case, kernel_device, aq=aq, seed=7)
-    _, ref_a16 = _run_case(emulation.moe, case, kernel_device, seed=7)  # its reference: A16
-    assert _rel_err(out, ref) <= 1e-5
-    assert _rel_err(ref_a16, ref) > 1e-3
-
-
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_unfused_backend_refuses_every_activation_quant(kernel_device, fmt):
-    """triton_unfused executes no activation quantization, so ``run`` refuses A8 as well as A4
-    rather than run either at higher precision."""
-    from mxfx.backends.triton_unfused import BACKEND as unfused
-
-    W = _weights(2, 32, 32, torch.float32, True, False, 0, kernel_device)
-    x = torch.randn(2, 32, device=kernel_device)
-    ids = torch.zeros(2, 1, dtype=torch.int32, device=kernel_device)
-    with pytest.raises(ValueError, match=f"activation_quant: got '{fmt}'"):
-        unfused.run(x, torch.ones(2, 1, device=kernel_device), ids, W, GPT_OSS, ActivationQuant(fmt))
