@@ -135,13 +135,17 @@ def test_plot_file_names_the_whole_device(name, slug):
     assert bench.device_slug(name) == slug
 
 
-@pytest.mark.parametrize("gpu,shown", [("NVIDIA H200", True), ("NVIDIA H200 NVL", True),
-                                       ("NVIDIA H100 80GB HBM3", False), ("cpu", False)])
-def test_triton_kernels_columns_only_beside_an_h200_run(gpu, shown):
-    """The issue's triton_kernels µs were measured on an H200: beside a gpt-oss-120b row from
-    another GPU, whose roofline differs, the table leaves its columns empty."""
-    row = bench.Row("gpt-oss-120b", 64, "none", "triton", 600.0, "graph", None, 1e9, 1e12, 450.0, None,
-                    device=gpu)
+@pytest.mark.parametrize("gpu,act_quant,routing,shown", [
+    ("NVIDIA H200", "none", "random", True), ("NVIDIA H200 NVL", "none", "random", True),
+    ("NVIDIA H100 80GB HBM3", "none", "random", False), ("cpu", "none", "random", False),
+    ("NVIDIA H200", "mxfp8", "random", False), ("NVIDIA H200", "mxfp4", "random", False),
+    ("NVIDIA H200", "none", "balanced", False)])
+def test_triton_kernels_columns_only_beside_an_h200_a16_random_run(gpu, act_quant, routing, shown):
+    """The issue's triton_kernels µs were measured on an H200 with bf16 activations and random
+    routing: beside a gpt-oss-120b row from another GPU (whose roofline differs), with quantized
+    activations or balanced routing (a different problem), the table leaves its columns empty."""
+    row = bench.Row("gpt-oss-120b", 64, act_quant, "triton", 600.0, "graph", None, 1e9, 1e12, 450.0, None,
+                    routing=routing, device=gpu)
     cols = bench.format_row(row).split()
     tk_us, tk_pct = cols[-2:]
     if shown:
@@ -205,15 +209,6 @@ def test_host_timing_is_the_median(monkeypatch):
     ticks = iter([0.0, 3.0, 10.0, 11.0, 20.0, 30.0])  # durations 3, 1, 10
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     assert bench._median_seconds(lambda: None, torch.device("cpu"), 3) == 3.0
-
-
-@pytest.mark.parametrize("act_quant,routing", [("mxfp8", "random"), ("mxfp4", "random"), ("none", "balanced")])
-def test_triton_kernels_columns_only_beside_a16_random_routing(act_quant, routing):
-    """The issue's triton_kernels figures are bf16-activation runs on random routing: beside a
-    quantized-activation row or a balanced-routing row (a different problem) the columns stay empty."""
-    row = bench.Row("gpt-oss-120b", 64, act_quant, "triton", 600.0, "graph", None, 1e9, 1e12, 450.0, None,
-                    routing=routing, device="NVIDIA H200")
-    assert bench.format_row(row).split()[-2:] == ["-", "-"]
 
 
 def test_perf_log_row_holds_time_mode_and_percent_of_roofline(tmp_path):
