@@ -368,17 +368,18 @@ def test_k_sum_rounds_to_x_dtype_once(kernel_device):
 @pytest.mark.parametrize("fmt, rounding, dtype", [("none", "even", torch.float32), ("mxfp8", "even", torch.float16),
                                                    ("mxfp4", "round_up", torch.float16)])
 @pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 224), (5, 544)])
-def test_paired_puts_each_value_where_the_unpack_pairs_its_weight(M, K, fmt, rounding, dtype):
+def test_paired_puts_each_value_where_the_unpack_pairs_its_weight(kernel_device, M, K, fmt, rounding, dtype):
     """moe_sm90.paired: within every 8 columns, value 4h + r lands at 2r + h (the K pairs of
     sm90_tile.UNPACK_SPLIT's words), rows keep their strides, and under activation quantization
     each 32-block is quantize-dequantized first, bit-exact against mxfx.formats (a block holding
     an Inf included). K not a multiple of 8 (32 under quantization) is refused, naming it."""
     from mxfx.kernels import moe_sm90
 
-    x = (torch.randn(M, K + 3) * 4)[:, :K].to(dtype)
+    x = (torch.randn(M, K + 3) * 4).to(kernel_device)[:, :K].to(dtype)
     if M > 1:
         x[1, 30] = float("inf")
-    out = moe_sm90.paired(x, ActivationQuant(fmt, rounding))
+    out = moe_sm90.paired(x, ActivationQuant(fmt, rounding)).cpu()
+    x = x.cpu()
     if fmt != "none":
         x = formats.quantize_dequantize(x, fmt, rounding)
     k = torch.arange(K)
@@ -387,16 +388,17 @@ def test_paired_puts_each_value_where_the_unpack_pairs_its_weight(M, K, fmt, rou
     assert out.shape == (M, K) and torch.equal(out.isnan(), ref.isnan())
     assert torch.equal(out.nan_to_num(), ref.nan_to_num())
     with pytest.raises(ValueError, match="K a multiple of 32; got .*K = 40"):
-        moe_sm90.paired(torch.zeros(2, 40, dtype=dtype), ActivationQuant("mxfp8"))
+        moe_sm90.paired(torch.zeros(2, 40, dtype=dtype, device=kernel_device), ActivationQuant("mxfp8"))
     with pytest.raises(ValueError, match="K a multiple of 8; got .*K = 36"):
-        moe_sm90.paired(torch.zeros(2, 36, dtype=dtype))
+        moe_sm90.paired(torch.zeros(2, 36, dtype=dtype, device=kernel_device))
 
 
 @pytest.mark.parametrize("fmt, rounding, dtype", [("none", "even", torch.float32), ("mxfp8", "even", torch.float32),
                                                    ("mxfp4", "round_up", torch.float16), ("mxfp4", "floor", torch.float32)])
 @pytest.mark.parametrize("M, K", [(0, 64), (1, 32), (37, 224), (5, 256)])
 @pytest.mark.parametrize("block_m", [32, 160])
-def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, rounding, dtype, block_m):
+def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(kernel_device, M, K, fmt, rounding, dtype,
+                                                                   block_m):
     """moe_sm90_ws.dot_order: natural K offset 128i + 32c + 8j + 4b1 + 2b0 + e (lane c's byte
     4j + 2b1 + b0, nibble e) lands at 128i + 32j + 16b1 + 8b0 + 2c + e, the order in which the
     Hopper kernels' prmt unpack lays the weights into A fragments (160-row blocks); for blocks
@@ -407,10 +409,11 @@ def test_dot_order_puts_each_column_where_the_unpack_puts_its_weight(M, K, fmt, 
     holding an Inf included)."""
     from mxfx.kernels import moe_sm90_ws
 
-    x = (torch.randn(M, K + 3) * 4)[:, :K].to(dtype)
+    x = (torch.randn(M, K + 3) * 4).to(kernel_device)[:, :K].to(dtype)
     if M > 1:
         x[1, 40] = float("inf")
-    out = moe_sm90_ws.dot_order(x, block_m, ActivationQuant(fmt, rounding))
+    out = moe_sm90_ws.dot_order(x, block_m, ActivationQuant(fmt, rounding)).cpu()
+    x = x.cpu()
     if fmt != "none":
         x = formats.quantize_dequantize(x, fmt, rounding)
         assert x.isnan().any() == (M > 1)
