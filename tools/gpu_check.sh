@@ -27,15 +27,17 @@ python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=240)
 for part in "$ids"/part.*; do
   # Test ids hold spaces (parametrized reprs): pass them NUL-separated.
   tr '\n' '\0' < "$part" | timeout "${PYTEST_TIMEOUT:-480}" xargs -0 python3 -m pytest -q \
-    -p no:cacheprovider -rfEs "${per_test[@]}" > "$ids/log.${part##*.}" 2>&1 &
+    -p no:cacheprovider -rfEs "${per_test[@]}" > "$out/pytest.${part##*.}.log" 2>&1 &
 done
 wait
-# One log file: the device tool brings back only a few files from $OUT.
-for log in "$ids"/log.*; do echo "===== process ${log##*.}"; cat "$log"; done > "$out/pytest.log"
-for log in "$ids"/log.*; do echo "process ${log##*.}: $(tail -1 "$log")"; done
+for log in "$out"/pytest.*.log; do echo "$(basename "$log"): $(tail -1 "$log")"; done
 # A process cut by PYTEST_TIMEOUT prints no summary line: its count is missing from the total.
-tail -qn1 "$ids"/log.* | grep -o '[0-9]* \(passed\|failed\|skipped\|errors\?\)' |
+tail -qn1 "$out"/pytest.*.log | grep -o '[0-9]* \(passed\|failed\|skipped\|errors\?\)' |
   awk '{n[$2] += $1} END {printf "total:"; for (k in n) printf " %d %s", n[k], k; print ""}'
-grep -h '^\(FAILED\|ERROR\|SKIPPED\)' "$ids"/log.* | sort | uniq -c
+grep -h '^\(FAILED\|ERROR\|SKIPPED\)' "$out"/pytest.*.log | sort | uniq -c
+# The per-process logs stay in $OUT while the tests run (a call cut short still returns them),
+# then become one file: the device tool brings back only a few files from $OUT.
+for log in "$out"/pytest.*.log; do echo "===== $(basename "$log")"; cat "$log"; done > "$out/pytest.log"
+rm "$out"/pytest.*.log
 timeout 120 python3 -m mxfx demo --device cuda --dtype bfloat16 --json > "$out/demo.json" 2> "$out/demo.err"; echo "demo rc=$?"
 python3 -c "import json,sys; d=json.load(open('$out/demo.json')); print({k: d[k] for k in list(d)[:12]})" 2>&1 | tail -3
