@@ -271,14 +271,15 @@ def test_expected_repeats_match_random_routing(P, E):
     assert moe.expected_repeats(P, E) == pytest.approx((P - seen).mean().item(), rel=0.03)
 
 
-@pytest.mark.parametrize("pairs,E,H,I,split", [(4, 128, 2880, 2880, 4), (2, 8, 4096, 4096, 4), (8, 128, 2880, 2880, 1),
-                                                (8, 128, 2048, 768, 1), (4, 128, 6144, 3072, 1), (4, 8, 4096, 4096, 1),
-                                                (4, 8, 4096, 14336, 4), (10, 8, 4096, 14336, 4),
-                                                (12, 8, 4096, 14336, 1), (8, 128, 2880, 8192, 4),
-                                                (8, 128, 2880, 8191, 1), (10, 128, 2880, 8192, 1)])
+@pytest.mark.parametrize("pairs,E,H,I,split", [(4, 128, 2880, 2880, 4), (2, 8, 4096, 4096, 4), (8, 128, 2880, 2880, 4),
+                                                (8, 32, 2880, 2880, 4), (16, 32, 2880, 2880, 1), (16, 128, 2880, 2880, 1),
+                                                (8, 128, 2048, 768, 1), (4, 128, 6144, 3072, 4), (8, 128, 6144, 3072, 1),
+                                                (4, 8, 4096, 4096, 4), (4, 8, 4096, 14336, 4), (10, 8, 4096, 14336, 4),
+                                                (12, 8, 4096, 14336, 1), (8, 128, 2880, 2560, 4),
+                                                (8, 128, 2880, 2559, 1), (10, 128, 2880, 8192, 1)])
 def test_gemm2_split_on_hopper_follows_its_grid(pairs, E, H, I, split):
     """A few pairs on Hopper: GEMM2's K range in four where its grid (experts expected among
-    the pairs × H/64) is at most 192 programs, or at most 400 where that K range (I) is 8192 or
+    the pairs × H/64) is at most 192 programs, or at most 400 where that K range (I) is 2560 or
     more, else whole; the portable kernel keeps its two."""
     assert moe.pick_config(pairs, E, H, hopper=True, intermediate=I).split_k2 == split
     assert moe.pick_config(pairs, E, H, intermediate=I).split_k2 == 2

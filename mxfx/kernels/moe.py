@@ -99,18 +99,20 @@ def pick_config(num_pairs: int, num_experts: int, hidden: int, hopper: bool = Fa
     if num_pairs <= 16:
         # A few experts: GEMM2's grid (a few experts × H/64 columns) is small, so its K range
         # is split (portable kernel, T=1: 45.3 -> 42.7 µs in two). On Hopper, in four where the
-        # grid is at most 192 programs, about 1.5 per SM, or, where each program's K range is
-        # long (I ≥ 8192: 64 steps or more), at most 400, else not at all. Graph µs, split 1 /
-        # 2 / 4 (programs: experts expected among the pairs × H/64), H200: gpt-oss-120b T=1
-        # (178) 34.5-35.9 / 35.3-35.9 / 33.8-33.9, T=2 (350) 53.5 / 55.2 / 55.2; Mixtral-8x7B
-        # T=1 (120) 97.7 / 118.2 / 79.7; Qwen3-30B-A3B T=1 (249) 17.5 / 18.3 / 19.2; MiniMax-M3
-        # T=1 (380) 54.6 / 57.3 / 57.1. H100 (session 50), Mixtral-8x7B (I=14336): T=2 (212)
-        # 160.5 / 134.3 / 136.8, T=3 (282) 194.9 / 184.2 / 179.7, T=4 (336) 207.3 / 201.7 /
-        # 196.1, T=5 (377) 237.4 / 238.5 / 236.0, T=6 (409) 243.9 / 245.5 / 244.4, T=8 (452)
-        # 246.6 / 248.2 / 249.8.
+        # grid is at most 192 programs, about 1.5 per SM, or, where each part of the K range
+        # still has five 128-wide steps (I ≥ 2560), at most 400, else not at all. Graph µs,
+        # split 1 / 2 / 4 (programs: experts expected among the pairs × H/64), H200, session 56
+        # (tools/PERF_LOG.md; session 15's losses were an older kernel's): gpt-oss-120b T=1 (178)
+        # 30.2 / 27.1 / 24.5, T=2 (350) 44.3 / 45.4 / 43.0, T=4 (680) 77.1 / 77.5 / 75.7;
+        # gpt-oss-20b T=2 (323) 44.0 / 45.4 / 42.8, T=4 (574) 75.0 / 76.2 / 77.8; MiniMax-M3 T=1
+        # (380) 43.5 / 41.1 / 43.2, T=2 (747) 75.0 / 77.8 / 79.1; Qwen3-30B-A3B (I=768) T=1 (249)
+        # 14.0 / 14.4 / 14.7, T=2 (483) 19.8 / 19.2 / 21.6; Mixtral-8x7B (I=14336) T=1 (120)
+        # 86.2 / 72.4 / 68.0, T=2 (212) 130.6 / 114.9 / 113.9, T=5 (377) 212.4 / 205.5 / 208.9,
+        # T=6 (409) 216.7 / 217.0 / 217.2. The H100 (sessions 50 and 55) agrees: gpt-oss-120b
+        # T=2 51.1 / 53.4 / 50.3, MiniMax-M3 T=1 53.7 / 51.1 / 53.0.
         if hopper:
             grid2 = (num_pairs - expected_repeats(num_pairs, num_experts)) * cdiv(hidden, moe_sm90.BLOCK_N2)
-            split_k2 = 4 if grid2 <= 192 or (inter >= 8192 and grid2 <= 400) else 1
+            split_k2 = 4 if grid2 <= 192 or (inter >= 2560 and grid2 <= 400) else 1
             return GemmConfig(8, 32, 64, 128, 4, swap=True, split=True, split_k2=split_k2, sm90=True,
                               sync_mma=True, x_row_stages=x_row_stages)
         return GemmConfig(16, 32, 64, 128, 4, swap=True, split=True, split_k2=2)

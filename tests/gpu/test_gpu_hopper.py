@@ -408,7 +408,7 @@ def test_grouped_mma_sync_blocks_run_as_a_pdl_chain(monkeypatch, T):
 
 
 def test_grouped_blocks_split_a_long_gemm2_k_range(monkeypatch):
-    """A few pairs with a long GEMM2 K range (I ≥ 8192, as Mixtral-8x7B's 14336) and a grid of
+    """A few pairs with a long GEMM2 K range (I ≥ 2560, as Mixtral-8x7B's 14336) and a grid of
     more than 192 programs: grouped 8-row mma.sync blocks with GEMM2's K range in four, whose
     partials the k-sum adds; fused and unfused, A16 and A8, all match emulation."""
     from mxfx.kernels import moe_sm90
