@@ -588,16 +588,18 @@ def test_leftover_expert_gemms_of_a_graph(fn, reason):
 
 def test_survey_tool_reports_each_family():
     """``tools/survey_models.py`` (the README's family list): a rewritten family's row counts
-    one ``mxfx.moe`` per experts module; a family mxfx cannot compute gets the reason."""
+    one ``mxfx.moe`` per experts module, a multimodal family's text decoder included; a family
+    mxfx cannot compute gets the reason."""
     import subprocess
     import sys
     from pathlib import Path
 
     tool = Path(__file__).resolve().parent.parent / "tools" / "survey_models.py"
-    run = subprocess.run([sys.executable, str(tool), "qwen2_moe", "nemotron_h"], capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(tool), "qwen2_moe", "minimax_m3_vl", "nemotron_h"],
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr
-    qwen, nemotron = run.stdout.splitlines()
-    assert qwen.split()[:5] == ["qwen2_moe", "experts", "2", "mxfx.moe", "2"] and float(qwen.split()[6]) < 1e-5
+    qwen, minimax, nemotron = run.stdout.splitlines()
+    for row, family in ((qwen, "qwen2_moe"), (minimax, "minimax_m3_vl")):
+        assert row.split()[:5] == [family, "experts", "2", "mxfx.moe", "2"] and float(row.split()[6]) < 1e-5
     assert nemotron.split()[:5] == ["nemotron_h", "experts", "1", "mxfx.moe", "0"]
     assert "left: no gated activation mxfx knows" in nemotron

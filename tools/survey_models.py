@@ -6,11 +6,12 @@
 
 For each ``model_type`` whose modeling file uses transformers' experts implementations, a
 model with tiny sizes is built from the config class's defaults (two layers; hybrid models as
-many as it takes to hold each kind of layer once), its weights drawn at random, and compiled
-with mxfx enabled (``experts_implementation="grouped_mm"``). One row per family: experts
-modules, ``mxfx.moe`` calls in the generated code, the relative error of the logits against
-eager, and the reasons of any layer left alone. An ``error`` row gives the last line of what
-failed to build, run or compile the model. Each family runs in its own process.
+many as it takes to hold each kind of layer once; a multimodal family's text decoder; an
+encoder's base model), its weights drawn at random, and compiled with mxfx enabled
+(``experts_implementation="grouped_mm"``). One row per family: experts modules, ``mxfx.moe``
+calls in the generated code, the relative error of the logits (an encoder's last hidden state)
+against eager, and the reasons of any layer left alone. An ``error`` row gives the last line of
+what failed to build, run or compile the model. Each family runs in its own process.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Applied to the config (and its text_config) where the attribute exists.
+# Applied to the config (and its text decoder's) where the attribute exists.
 SMALL = dict(
     hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, top_k=2,
     top_k_experts=2, enable_moe_block=True, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=1, vocab_size=128, max_position_embeddings=256, pad_token_id=0,
     first_k_dense_replace=0, n_group=1, topk_group=1, decoder_sparse_step=1, mlp_only_layers=[],
-    sliding_window=16, moe_layer_freq=1,
+    sliding_window=16, moe_layer_freq=1, num_dense_layers=0, mamba_n_heads=2, mamba_d_head=64,
     kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
 )
 
@@ -51,16 +52,28 @@ def _set(cfg, values: dict) -> None:
             pass
 
 
+def _text(cfg):
+    """A multimodal config's text decoder config (Qwen3-Omni's inside its thinker), or None."""
+    thinker = getattr(cfg, "thinker_config", None)
+    return getattr(cfg, "text_config", None) or getattr(thinker, "text_config", None)
+
+
 def _small(cfg) -> None:
-    mla = getattr(cfg, "kv_lora_rank", None) is not None
-    for target in (cfg, getattr(cfg, "text_config", None)):
+    for target in (cfg, _text(cfg)):
         if target is None:
             continue
+        mla = getattr(target, "kv_lora_rank", None) is not None
         _set(target, SMALL)
+        if getattr(target, "n_shared_experts", 0) is None:  # dots1's default: no model builds
+            target.n_shared_experts = 1
+        if hasattr(target, "layer_types") and target.layer_types is None:  # LFM2-MoE's default
+            target.layer_types = ["full_attention"] * target.num_hidden_layers
         dims = dict(head_dim=SMALL["qk_rope_head_dim"] if mla else 32)
         if mla:  # keys and values per attention head
             dims["num_key_value_heads"] = target.num_attention_heads
         _set(target, dims)
+        if target is not cfg and not mla:  # multimodal decoders fix their rope sections for 128
+            target.head_dim = 128
         types = list(getattr(target, "layer_types", None) or [])
         if types:  # hybrid models: enough layers for one of each kind
             n = max(2, max(types.index(t) for t in set(types)) + 1)
@@ -68,24 +81,58 @@ def _small(cfg) -> None:
                 target.num_hidden_layers, target.layer_types = n, types[:n]
             except (AttributeError, TypeError, ValueError):
                 pass
-        if getattr(target, "mlp_layer_types", None):  # DeepSeek-V3.2 style: dense first layers
+        if hasattr(target, "mlp_layer_types"):  # dense first layers (DeepSeek-V3.2) or None (OCR 2)
             target.mlp_layer_types = ["sparse"] * target.num_hidden_layers
+        rope = getattr(target, "rope_parameters", None)
+        if mla and isinstance(rope, dict) and rope.get("partial_rotary_factor"):
+            # Mistral 4: heads are nope + rope wide, and the rope's width derives from head_dim.
+            target.head_dim = int(target.qk_rope_head_dim / rope["partial_rotary_factor"])
+
+
+def _build(cfg):
+    """The model to compile: a causal LM where the config has one, else the text decoder of a
+    multimodal config (its vision towers at their default sizes would not fit), else the base
+    model (encoders)."""
+    import importlib
+
+    from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
+
+    kw = dict(experts_implementation="grouped_mm")
+    try:
+        return AutoModelForCausalLM.from_config(cfg, **kw)
+    except ValueError:  # no causal LM for this config
+        pass
+    text = _text(cfg)
+    if text is None:
+        return AutoModel.from_config(cfg, **kw)
+    module = importlib.import_module(type(text).__module__.replace(".configuration_", ".modeling_"))
+    classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+               and getattr(c, "config_class", None) is type(text)
+               and not c.__name__.endswith("PreTrainedModel")]
+    classes.sort(key=lambda c: not c.__name__.endswith("ForCausalLM"))
+    if not classes:
+        raise ValueError(f"no model class in {module.__name__} takes {type(text).__name__}")
+    text.experts_implementation = "grouped_mm"
+    return classes[0](text)
+
+
+def _output(out):
+    return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).double()
 
 
 def one(model_type: str, quantize: bool) -> dict:
     import torch
     from torch import nn
     from torch._inductor.utils import run_and_get_code
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     import mxfx
     from mxfx import lowering
 
     cfg = AutoConfig.for_model(model_type)
     _small(cfg)
-    cfg.experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = _build(cfg).eval()
     for p in model.parameters():
         nn.init.normal_(p, std=0.2)
     if quantize:
@@ -93,12 +140,13 @@ def one(model_type: str, quantize: bool) -> dict:
     experts = sum(type(m).__name__.endswith("Experts") for m in model.modules())
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
     lowering.clear()
+    # No cache: a hybrid model cut to a few layers may have no attention layer to size one by.
     with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
-        ref = model(ids).logits.double()
+        ref = _output(model(ids, use_cache=False))
         with mxfx.enabled():
-            out, code = run_and_get_code(torch.compile(model), ids)
+            out, code = run_and_get_code(torch.compile(model), ids, use_cache=False)
     code = "\n".join(code)
-    err = ((out.logits.double() - ref).norm() / ref.norm()).item()
+    err = ((_output(out) - ref).norm() / ref.norm()).item()
     return dict(
         experts=experts, moe_calls=code.count("torch.ops.mxfx.moe.default("), error=f"{err:.1e}",
         left=sorted({r.reason for r in lowering.report() if not r.rewritten}),
