@@ -112,8 +112,7 @@ def _build(cfg):
     classes.sort(key=lambda c: not c.__name__.endswith("ForCausalLM"))
     if not classes:
         raise ValueError(f"no model class in {module.__name__} takes {type(text).__name__}")
-    text.experts_implementation = "grouped_mm"
-    return classes[0](text)
+    return classes[0]._from_config(text, **kw)
 
 
 def _output(out):
